@@ -1,0 +1,50 @@
+"""attnsdk: one backend-neutral paged-attention contract for LLM serving engines.
+
+Read docs/architecture.md for how the pieces fit. The public API is exactly ``__all__``.
+"""
+
+from attnsdk._backend import Backend, Plan
+from attnsdk._capabilities import Capabilities, Feature, GraphSupport, Reason, ReasonKind
+from attnsdk._config import AttentionConfig, AutoOptions
+from attnsdk._errors import (
+    AttnSDKError,
+    BackendUnavailableError,
+    InvalidInputError,
+    InvalidMetadataError,
+    UnsupportedConfigError,
+)
+from attnsdk._graph import GraphBuffers
+from attnsdk._kv import KVCache, KVCacheLayout, KVOrder
+from attnsdk._layer import LayerSpec
+from attnsdk._metadata import AttentionMetadata
+from attnsdk._registry import Registration, backend_names, create_backend, explain, register_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionConfig",
+    "AttentionMetadata",
+    "AttnSDKError",
+    "AutoOptions",
+    "Backend",
+    "BackendUnavailableError",
+    "Capabilities",
+    "Feature",
+    "GraphBuffers",
+    "GraphSupport",
+    "InvalidInputError",
+    "InvalidMetadataError",
+    "KVCache",
+    "KVCacheLayout",
+    "KVOrder",
+    "LayerSpec",
+    "Plan",
+    "Reason",
+    "ReasonKind",
+    "Registration",
+    "UnsupportedConfigError",
+    "backend_names",
+    "create_backend",
+    "explain",
+    "register_backend",
+]

@@ -1,0 +1,195 @@
+"""The ``Backend`` protocol every attention backend implements, and the checks they share.
+
+Shape legend (every argument below refers to it): B sequences, T query-token rows (>= the real
+``num_tokens`` under CUDA-graph padding), Hq query heads, Hkv KV heads, D QK head dim, Dv V head
+dim, P page size, N pages, W page-table width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from attnsdk._errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from attnsdk._capabilities import Capabilities, Reason
+    from attnsdk._graph import GraphBuffers
+    from attnsdk._kv import KVCache, KVCacheLayout
+    from attnsdk._layer import LayerSpec
+    from attnsdk._metadata import AttentionMetadata
+
+__all__ = ["Backend", "Plan", "check_forward_args"]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What ``Backend.plan`` returns: the step's metadata plus backend-private precomputation.
+
+    Backends subclass it. A plan made by ``plan_for_capture`` also carries the static
+    ``graph`` buffers its tensors are views of, which ``plan_for_replay`` refreshes in place.
+    """
+
+    metadata: AttentionMetadata
+    graph: GraphBuffers | None = None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A paged-attention implementation. ``attnsdk.create_backend`` returns one.
+
+    Lifecycle per step: ``plan(meta)`` once (outside CUDA-graph capture, no device sync), then
+    ``forward`` once per layer with that plan. Under CUDA graphs: ``graph_state`` once,
+    ``plan_for_capture`` per captured batch size, ``plan_for_replay`` before each replay.
+    """
+
+    name: str
+    capabilities: Capabilities
+
+    def unsupported_reasons(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        """Every reason this backend cannot serve ``layer`` / ``layout`` here; [] if it can."""
+        ...
+
+    def plan(self, meta: AttentionMetadata) -> Plan:
+        """Per-step precomputation shared by all layers. No device sync."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write new K/V into ``cache`` at ``slot_mapping``, then attend.
+
+        q: (T, Hq, D). k: (T, Hkv, D) and v: (T, Hkv, Dv), or both None when the caller has
+        already written them. sinks: (Hq,) fp32 when ``layer.has_sinks``. k_scale / v_scale:
+        fp32 () / (1,) / (Hkv,) for fp8 caches. out: optional (T, Hq, Dv) destination.
+        Returns (T, Hq, Dv) in q's dtype; rows past ``num_tokens`` are unspecified.
+        """
+        ...
+
+    def graph_state(
+        self,
+        max_batch: int,
+        max_tokens: int,
+        max_pages: int,
+        *,
+        page_size: int,
+        device: torch.device | str,
+    ) -> GraphBuffers:
+        """Allocate the static buffers that captured plans view (once, before capture)."""
+        ...
+
+    def plan_for_capture(self, state: GraphBuffers, batch_size: int, num_tokens: int) -> Plan:
+        """A plan whose tensors are basic-slice views of ``state``, for capturing ``batch_size``."""
+        ...
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        """Copy ``meta`` (B <= captured batch) into a captured plan's buffers, padding the rest.
+
+        No allocation, no device sync, no advanced indexing into the static buffers.
+        """
+        ...
+
+
+def check_forward_args(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache: KVCache,
+    plan: Plan,
+    layer: LayerSpec,
+    *,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> None:
+    """Host-only checks of ``Backend.forward`` arguments (shape, dtype, device); no sync.
+
+    Raises ``InvalidInputError`` naming the argument before anything is written.
+    """
+    layout = cache.layout
+    meta = plan.metadata
+    hq, hkv, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim
+    if (layout.num_kv_heads, layout.head_dim, layout.v_dim) != (hkv, d, dv):
+        raise InvalidInputError(
+            "layer",
+            f"num_kv_heads/head_dim/v_head_dim = {(layout.num_kv_heads, layout.head_dim, layout.v_dim)}"
+            " like the cache layout",
+            (hkv, d, dv),
+        )
+    _tensor("q", q, (None, hq, d), layout.dtype, cache.device)
+    rows = q.shape[0]
+    if rows < meta.num_tokens:
+        raise InvalidInputError("q.shape[0]", f">= num_tokens={meta.num_tokens}", rows)
+    if (k is None) != (v is None):
+        raise InvalidInputError("k/v", "both tensors or both None", "only one of them")
+    if k is not None and v is not None:
+        _tensor("k", k, (rows, hkv, d), layout.dtype, cache.device)
+        _tensor("v", v, (rows, hkv, dv), layout.dtype, cache.device)
+        if meta.slot_mapping.shape[0] < meta.num_tokens:
+            raise InvalidInputError(
+                "plan.metadata.slot_mapping",
+                f">= {meta.num_tokens} entries",
+                meta.slot_mapping.shape[0],
+            )
+    if out is not None:
+        _tensor("out", out, (rows, hq, dv), layout.dtype, cache.device)
+    if layer.has_sinks:
+        if sinks is None:
+            raise InvalidInputError(
+                "sinks", f"an fp32 tensor of shape ({hq},) (layer.has_sinks)", None
+            )
+        _tensor("sinks", sinks, (hq,), torch.float32, cache.device)
+    elif sinks is not None:
+        raise InvalidInputError("sinks", "None (layer.has_sinks is False)", tuple(sinks.shape))
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if not layout.is_quantized:
+            raise InvalidInputError(
+                name, f"None for a {layout.storage_dtype} cache", tuple(scale.shape)
+            )
+        if scale.numel() not in (1, hkv) or scale.dim() > 1:
+            raise InvalidInputError(name, f"shape (), (1,) or ({hkv},)", tuple(scale.shape))
+        if scale.dtype != torch.float32:
+            raise InvalidInputError(f"{name}.dtype", "torch.float32", scale.dtype)
+        if scale.device != cache.device:
+            raise InvalidInputError(f"{name}.device", str(cache.device), scale.device)
+    if meta.device != cache.device:
+        raise InvalidInputError("plan.metadata.device", str(cache.device), meta.device)
+
+
+def _tensor(
+    name: str,
+    t: torch.Tensor,
+    shape: tuple[int | None, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != len(shape) or any(e is not None and e != f for e, f in zip(shape, t.shape)):
+        legend = tuple("T" if e is None else e for e in shape)
+        raise InvalidInputError(f"{name}.shape", str(legend), tuple(t.shape))
+    if t.dtype != dtype:
+        raise InvalidInputError(f"{name}.dtype", str(dtype), t.dtype)
+    if t.device != device:
+        raise InvalidInputError(f"{name}.device", f"the cache's device {device}", t.device)

@@ -1,0 +1,214 @@
+"""Declarative backend capabilities and the one generic check that turns them into reasons."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnsdk._device import compute_capability
+from attnsdk._kv import FP8_KV_DTYPES, KVCacheLayout, KVOrder
+
+if TYPE_CHECKING:
+    from attnsdk._layer import LayerSpec
+
+__all__ = ["Capabilities", "Feature", "GraphSupport", "Reason", "ReasonKind", "capability_reasons"]
+
+
+class ReasonKind(enum.IntEnum):
+    """Why a backend cannot serve a request; reasons sort in this order."""
+
+    ENVIRONMENT = 0
+    """Library not installed, no GPU, wrong compute capability."""
+    CONFIGURATION = 1
+    """The layer or KV layout asks for something the backend lacks."""
+    BATCH = 2
+    """This particular batch cannot be served."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Reason:
+    """One reason a backend cannot serve a request.
+
+    >>> str(Reason(ReasonKind.CONFIGURATION, "head_dim", "must be <= 256, found 512"))
+    'configuration: head_dim must be <= 256, found 512'
+    """
+
+    kind: ReasonKind
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind.name.lower()}: {self.field} {self.message}"
+
+
+class Feature(str, enum.Enum):
+    """Optional semantics of DESIGN §2 that a backend may or may not implement."""
+
+    GQA = "gqa"
+    SLIDING_WINDOW = "sliding_window"
+    SOFTCAP = "softcap"
+    SINKS = "sinks"
+    NON_CAUSAL = "non_causal"
+    FP8_KV = "fp8_kv"
+    MIXED_BATCH = "mixed_batch"
+    DIFFERENT_V_HEAD_DIM = "different_v_head_dim"
+
+
+class GraphSupport(enum.IntEnum):
+    """How much of a step a backend can run inside a captured CUDA graph."""
+
+    NONE = 0
+    """Not capturable."""
+    DECODE_ONLY = 1
+    """Uniform one-token-per-sequence batches."""
+    UNIFORM_BATCH = 2
+    """Uniform query lengths (decode, speculative verify)."""
+    ANY_BATCH = 3
+    """Mixed prefill / decode batches too."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do, as data. ``capability_reasons`` checks a request against it."""
+
+    devices: frozenset[str]
+    """Device types it runs on ("cpu", "cuda")."""
+    dtypes: frozenset[torch.dtype]
+    """Compute dtypes of q / k / v / output."""
+    kv_dtypes: frozenset[torch.dtype]
+    """Extra cache storage dtypes beyond the compute dtype (fp8 needs ``Feature.FP8_KV``)."""
+    max_head_dim: int
+    head_dim_multiple: int = 1
+    min_page_size: int = 1
+    page_size_multiple: int = 1
+    orders: frozenset[KVOrder] = frozenset({KVOrder.NHD})
+    min_compute_capability: tuple[int, int] | None = None
+    """For CUDA devices: lowest (major, minor) supported."""
+    max_compute_capability: tuple[int, int] | None = None
+    """For CUDA devices: highest (major, minor) supported."""
+    features: frozenset[Feature] = field(default_factory=frozenset)
+    graph_support: GraphSupport = GraphSupport.NONE
+
+
+def device_reasons(caps: Capabilities, device: torch.device | str | None) -> list[Reason]:
+    """Environment reasons: the device type and its compute capability."""
+    env = ReasonKind.ENVIRONMENT
+    dev = torch.device(device) if device is not None else None
+    if dev is None:
+        dev = torch.device("cuda") if "cuda" in caps.devices else torch.device("cpu")
+    if dev.type not in caps.devices:
+        return [Reason(env, "device", f"must be one of {sorted(caps.devices)}, found {dev.type!r}")]
+    if dev.type != "cuda":
+        return []
+    cc = compute_capability(dev)
+    if cc is None:
+        return [Reason(env, "device", "needs a CUDA GPU, but none is visible")]
+    reasons = []
+    if caps.min_compute_capability is not None and cc < caps.min_compute_capability:
+        reasons.append(
+            Reason(
+                env,
+                "compute_capability",
+                f"must be >= {_cc(caps.min_compute_capability)}, found {_cc(cc)}",
+            )
+        )
+    if caps.max_compute_capability is not None and cc > caps.max_compute_capability:
+        reasons.append(
+            Reason(
+                env,
+                "compute_capability",
+                f"must be <= {_cc(caps.max_compute_capability)}, found {_cc(cc)}",
+            )
+        )
+    return reasons
+
+
+def capability_reasons(
+    caps: Capabilities,
+    layer: LayerSpec | None,
+    layout: KVCacheLayout | None,
+    device: torch.device | str | None = None,
+) -> list[Reason]:
+    """Every way ``layer`` / ``layout`` on ``device`` exceeds ``caps``, environment first."""
+    cfg = ReasonKind.CONFIGURATION
+    reasons = device_reasons(caps, device)
+    f = caps.features
+    if layout is not None:
+        if layout.dtype not in caps.dtypes:
+            reasons.append(
+                Reason(cfg, "dtype", f"must be one of {_names(caps.dtypes)}, found {layout.dtype}")
+            )
+        if layout.storage_dtype != layout.dtype:
+            if layout.storage_dtype not in caps.kv_dtypes:
+                reasons.append(
+                    Reason(
+                        cfg,
+                        "kv_dtype",
+                        f"must be one of {_names(caps.kv_dtypes)}, found {layout.storage_dtype}",
+                    )
+                )
+            elif layout.storage_dtype in FP8_KV_DTYPES and Feature.FP8_KV not in f:
+                reasons.append(Reason(cfg, "kv_dtype", "fp8 KV storage is not supported"))
+        if layout.page_size < caps.min_page_size or layout.page_size % caps.page_size_multiple:
+            reasons.append(
+                Reason(
+                    cfg,
+                    "page_size",
+                    f"must be >= {caps.min_page_size} and a multiple of {caps.page_size_multiple}, "
+                    f"found {layout.page_size}",
+                )
+            )
+        if layout.kv_order not in caps.orders:
+            orders = sorted(o.value for o in caps.orders)
+            reasons.append(
+                Reason(cfg, "order", f"must be one of {orders}, found {layout.kv_order.value!r}")
+            )
+    dims: dict[str, int] = {}
+    if layer is not None:
+        dims.update(head_dim=layer.head_dim, v_head_dim=layer.v_dim)
+    if layout is not None:
+        dims.update(head_dim=layout.head_dim, v_head_dim=layout.v_dim)
+    for name, d in dims.items():
+        if d > caps.max_head_dim or d % caps.head_dim_multiple:
+            reasons.append(
+                Reason(
+                    cfg,
+                    name,
+                    f"must be <= {caps.max_head_dim} and a multiple of {caps.head_dim_multiple}, found {d}",
+                )
+            )
+    if dims and dims["head_dim"] != dims["v_head_dim"] and Feature.DIFFERENT_V_HEAD_DIM not in f:
+        reasons.append(
+            Reason(cfg, "v_head_dim", f"must equal head_dim, found {dims['v_head_dim']}")
+        )
+    if layer is not None:
+        wants = {
+            Feature.GQA: layer.num_heads != layer.num_kv_heads,
+            Feature.SLIDING_WINDOW: layer.sliding_window is not None,
+            Feature.SOFTCAP: layer.has_softcap,
+            Feature.SINKS: layer.has_sinks,
+            Feature.NON_CAUSAL: not layer.causal,
+        }
+        for feat, wanted in wants.items():
+            if wanted and feat not in f:
+                reasons.append(Reason(cfg, feat.value, "is not supported by this backend"))
+    if layer is not None and layout is not None and layer.num_kv_heads != layout.num_kv_heads:
+        reasons.append(
+            Reason(
+                cfg,
+                "num_kv_heads",
+                f"layer has {layer.num_kv_heads} but the KV layout has {layout.num_kv_heads}",
+            )
+        )
+    return sorted(reasons)
+
+
+def _cc(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
+def _names(dtypes: frozenset[torch.dtype]) -> list[str]:
+    return sorted(str(d) for d in dtypes)

@@ -1,0 +1,133 @@
+"""Static metadata buffers for CUDA-graph capture and replay, shared by every backend.
+
+A graph captured for ``batch_size`` rows and ``num_tokens`` token rows reads its metadata from
+fixed addresses. ``GraphBuffers`` owns those buffers (sized for the largest capture); a captured
+plan views a prefix of them, and ``replay_update`` copies a smaller real batch in, padding the
+rest: padding rows take the leftover token rows, see ``seq_len_fill`` keys on the reserved page,
+and write nothing (slot -1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnsdk._errors import InvalidInputError, InvalidMetadataError
+from attnsdk._metadata import AttentionMetadata
+
+__all__ = ["GraphBuffers"]
+
+
+class GraphBuffers:
+    """Static device buffers (and host twins) that captured plans view.
+
+    >>> buffers = GraphBuffers(max_batch=4, max_tokens=4, max_pages=2, page_size=16, device="cpu")
+    >>> captured = buffers.capture_metadata(batch_size=4, num_tokens=4)
+    >>> real = AttentionMetadata.from_seqlens([1, 1], [20, 5], [[3, 4], [5, 0]], page_size=16)
+    >>> buffers.replay_update(captured, real)
+    >>> captured.seq_lens.tolist(), captured.slot_mapping.tolist()
+    ([20, 5, 1, 1], [67, 84, -1, -1])
+    """
+
+    def __init__(
+        self,
+        max_batch: int,
+        max_tokens: int,
+        max_pages: int,
+        *,
+        page_size: int,
+        device: torch.device | str,
+        reserved_page: int = 0,
+        seq_len_fill: int = 1,
+    ) -> None:
+        for name, value in (
+            ("max_batch", max_batch),
+            ("max_tokens", max_tokens),
+            ("max_pages", max_pages),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidInputError(name, "a positive int", repr(value))
+        self.max_batch, self.max_tokens, self.max_pages = max_batch, max_tokens, max_pages
+        self.page_size = page_size
+        self.reserved_page = reserved_page
+        self.seq_len_fill = seq_len_fill
+        dev = torch.device(device)
+        i32 = torch.int32
+        self.query_start_loc = torch.zeros(max_batch + 1, dtype=i32, device=dev)
+        self.seq_lens = torch.full((max_batch,), seq_len_fill, dtype=i32, device=dev)
+        self.page_table = torch.full((max_batch, max_pages), reserved_page, dtype=i32, device=dev)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+        self.query_start_loc_cpu = torch.zeros(max_batch + 1, dtype=i32)
+        self.seq_lens_cpu = torch.full((max_batch,), seq_len_fill, dtype=i32)
+        self._ramp = torch.arange(max_batch + 1, dtype=i32, device=dev)
+        self._ramp_cpu = torch.arange(max_batch + 1, dtype=i32)
+
+    def capture_metadata(self, batch_size: int, num_tokens: int) -> AttentionMetadata:
+        """Metadata of basic-slice views for a graph of ``batch_size`` rows and ``num_tokens`` tokens.
+
+        Its host maxima are upper bounds (all tokens in one row, every page used) because the
+        captured kernels keep them; replay may then use any smaller real batch.
+        """
+        if not 0 < batch_size <= self.max_batch:
+            raise InvalidInputError("batch_size", f"1..max_batch={self.max_batch}", batch_size)
+        if not batch_size <= num_tokens <= self.max_tokens:
+            raise InvalidInputError(
+                "num_tokens", f"{batch_size}..max_tokens={self.max_tokens}", num_tokens
+            )
+        self._pad(0, 0, batch_size, num_tokens)
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size],
+            page_table=self.page_table[:batch_size],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc_cpu=self.query_start_loc_cpu[: batch_size + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:batch_size],
+            num_tokens=num_tokens,
+            max_query_len=num_tokens - batch_size + 1,
+            max_seq_len=self.max_pages * self.page_size,
+        )
+
+    def replay_update(self, captured: AttentionMetadata, meta: AttentionMetadata) -> None:
+        """Copy ``meta`` into the buffers that ``captured`` views and pad the remaining rows."""
+        bs, tokens = captured.num_seqs, captured.num_tokens
+        b, t = meta.num_seqs, meta.num_tokens
+        if b > bs:
+            raise InvalidMetadataError("seq_lens", f"at most {bs} sequences (captured batch)", b)
+        if t > tokens:
+            raise InvalidMetadataError("num_tokens", f"at most {tokens} (captured tokens)", t)
+        if meta.max_query_len > captured.max_query_len:
+            raise InvalidMetadataError(
+                "max_query_len", f"<= {captured.max_query_len} (captured)", meta.max_query_len
+            )
+        if meta.max_seq_len > captured.max_seq_len:
+            raise InvalidMetadataError(
+                "max_seq_len",
+                f"<= max_pages * page_size = {captured.max_seq_len} (graph buffers)",
+                meta.max_seq_len,
+            )
+        width = min(meta.page_table.shape[1], self.max_pages)
+        self.query_start_loc[: b + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
+        self.page_table[:b, :width].copy_(meta.page_table[:, :width], non_blocking=True)
+        self.page_table[:b, width:].fill_(self.reserved_page)
+        self.slot_mapping[:t].copy_(meta.slot_mapping[:t], non_blocking=True)
+        self.query_start_loc_cpu[: b + 1].copy_(meta.query_start_loc_cpu)
+        self.seq_lens_cpu[:b].copy_(meta.seq_lens_cpu)
+        self._pad(b, t, bs, tokens)
+
+    def _pad(self, b: int, t: int, bs: int, tokens: int) -> None:
+        """Rows b..bs-1 share token rows t..tokens-1 evenly (the last takes the remainder)."""
+        self.slot_mapping[t:tokens].fill_(-1)
+        if b == bs:
+            return
+        share = (tokens - t) // (bs - b)
+        self.page_table[b:bs].fill_(self.reserved_page)
+        for qsl, seq, ramp in (
+            (self.query_start_loc, self.seq_lens, self._ramp),
+            (self.query_start_loc_cpu, self.seq_lens_cpu, self._ramp_cpu),
+        ):
+            pad = qsl[b + 1 : bs + 1]
+            torch.mul(ramp[1 : bs - b + 1], share, out=pad)
+            pad.add_(t)
+            qsl[bs].fill_(tokens)
+            torch.sub(qsl[b + 1 : bs + 1], qsl[b:bs], out=seq[b:bs])
+            seq[b:bs].clamp_(min=self.seq_len_fill)

@@ -1,0 +1,229 @@
+"""``KVCacheLayout`` and ``KVCache``: how paged K/V are stored. docs/kv_layout.md is the spec."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from attnsdk._errors import InvalidInputError
+
+__all__ = ["FP8_KV_DTYPES", "KVCache", "KVCacheLayout", "KVOrder"]
+
+FP8_KV_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+"""Storage dtypes that hold quantised K/V (dequantised with ``k_scale`` / ``v_scale``)."""
+
+_COMPUTE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+class KVOrder(str, enum.Enum):
+    """Order of the per-page dimensions of the K (and V) tensor."""
+
+    NHD = "NHD"
+    """``[num_pages, page_size, num_kv_heads, head_dim]`` (token-major pages; FA, SGLang, vLLM)."""
+    HND = "HND"
+    """``[num_pages, num_kv_heads, page_size, head_dim]`` (head-major pages; FlashInfer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """Static description of a paged KV cache, shared by every layer that uses it.
+
+    >>> layout = KVCacheLayout(num_kv_heads=2, head_dim=64, page_size=16)
+    >>> cache = layout.allocate(num_pages=8)
+    >>> tuple(cache.k.shape), cache.k.dtype
+    ((8, 16, 2, 64), torch.bfloat16)
+    """
+
+    num_kv_heads: int
+    """Hkv."""
+    head_dim: int
+    """D, the K head dim."""
+    page_size: int
+    """P, tokens per page."""
+    dtype: torch.dtype = torch.bfloat16
+    """Compute dtype: the dtype of q, of new k/v and of the output."""
+    v_head_dim: int | None = None
+    """Dv; None means ``head_dim``."""
+    order: KVOrder | str = KVOrder.NHD
+    """``"NHD"`` or ``"HND"`` (see ``KVOrder``)."""
+    kv_dtype: torch.dtype | None = None
+    """Storage dtype of the cache; None means ``dtype``. fp8 (e4m3/e5m2) stores quantised K/V."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidInputError(f"KVCacheLayout.{name}", "a positive int", repr(value))
+        if self.v_head_dim is not None and (
+            not isinstance(self.v_head_dim, int) or self.v_head_dim <= 0
+        ):
+            raise InvalidInputError(
+                "KVCacheLayout.v_head_dim", "a positive int or None", repr(self.v_head_dim)
+            )
+        try:
+            object.__setattr__(self, "order", KVOrder(self.order))
+        except ValueError:
+            raise InvalidInputError(
+                "KVCacheLayout.order", "'NHD' or 'HND'", repr(self.order)
+            ) from None
+        if self.dtype not in _COMPUTE_DTYPES:
+            raise InvalidInputError(
+                "KVCacheLayout.dtype", "torch.float16, torch.bfloat16 or torch.float32", self.dtype
+            )
+        if self.kv_dtype is not None and self.kv_dtype not in FP8_KV_DTYPES | {self.dtype}:
+            raise InvalidInputError(
+                "KVCacheLayout.kv_dtype",
+                f"None, {self.dtype} or an fp8 dtype (torch.float8_e4m3fn, torch.float8_e5m2)",
+                self.kv_dtype,
+            )
+
+    @property
+    def v_dim(self) -> int:
+        """Dv, resolved."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def kv_order(self) -> KVOrder:
+        """``order`` as a ``KVOrder`` (strings are normalised on construction)."""
+        return KVOrder(self.order)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype the cache tensors hold."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    @property
+    def is_quantized(self) -> bool:
+        """True when K/V are stored in fp8 and need ``k_scale`` / ``v_scale`` to be read."""
+        return self.storage_dtype in FP8_KV_DTYPES
+
+    def page_shape(self, num_pages: int, dim: int) -> tuple[int, int, int, int]:
+        """Shape of the K (``dim=head_dim``) or V (``dim=v_dim``) tensor for ``num_pages``."""
+        if self.kv_order is KVOrder.NHD:
+            return (num_pages, self.page_size, self.num_kv_heads, dim)
+        return (num_pages, self.num_kv_heads, self.page_size, dim)
+
+    def allocate(self, num_pages: int, device: torch.device | str = "cpu") -> KVCache:
+        """Allocate a zeroed cache of ``num_pages`` pages (page 0 is conventionally padding)."""
+        if not isinstance(num_pages, int) or num_pages <= 0:
+            raise InvalidInputError("num_pages", "a positive int", repr(num_pages))
+        dt = self.storage_dtype
+        k = torch.zeros(self.page_shape(num_pages, self.head_dim), dtype=dt, device=device)
+        v = torch.zeros(self.page_shape(num_pages, self.v_dim), dtype=dt, device=device)
+        return KVCache(self, k, v)
+
+    def wrap(self, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """Adopt an engine's K and V tensors without copying.
+
+        Strided views are accepted (e.g. K and V halves of one packed tensor) as long as each
+        head vector is contiguous (stride 1 in the last dim). Raises ``InvalidInputError``
+        naming the tensor, the expected and the found shape, dtype or stride.
+        """
+        for name, t, dim in (("k", k, self.head_dim), ("v", v, self.v_dim)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
+            if t.dim() != 4:
+                raise InvalidInputError(
+                    f"{name}.shape", f"4 dims {self.kv_order.value}", tuple(t.shape)
+                )
+            expected = self.page_shape(t.shape[0], dim)
+            if tuple(t.shape) != expected:
+                raise InvalidInputError(
+                    f"{name}.shape",
+                    f"{expected} ([num_pages, ...] in {self.kv_order.value} order)",
+                    tuple(t.shape),
+                )
+            if t.dtype != self.storage_dtype:
+                raise InvalidInputError(f"{name}.dtype", str(self.storage_dtype), t.dtype)
+            if t.stride(-1) != 1:
+                raise InvalidInputError(
+                    f"{name}.stride()",
+                    "stride 1 in the last (head_dim) dimension",
+                    t.stride(),
+                    "Kernels read each head vector as one contiguous run",
+                )
+        if k.shape[0] != v.shape[0]:
+            raise InvalidInputError("v.shape[0]", f"{k.shape[0]} pages like k", v.shape[0])
+        if k.device != v.device:
+            raise InvalidInputError("v.device", str(k.device), v.device)
+        return KVCache(self, k, v)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCache:
+    """One layer's paged K and V storage. Build with ``KVCacheLayout.allocate`` or ``.wrap``."""
+
+    layout: KVCacheLayout
+    k: torch.Tensor
+    """NHD: (N, P, Hkv, D); HND: (N, Hkv, P, D). ``layout.storage_dtype``; may be a strided view."""
+    v: torch.Tensor
+    """NHD: (N, P, Hkv, Dv); HND: (N, Hkv, P, Dv). ``layout.storage_dtype``; may be a strided view."""
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def k_nhd(self) -> torch.Tensor:
+        """K as a (N, P, Hkv, D) view whatever the storage order (no copy)."""
+        return self.k if self.layout.kv_order is KVOrder.NHD else self.k.transpose(1, 2)
+
+    @property
+    def v_nhd(self) -> torch.Tensor:
+        """V as a (N, P, Hkv, Dv) view whatever the storage order (no copy)."""
+        return self.v if self.layout.kv_order is KVOrder.NHD else self.v.transpose(1, 2)
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Write new tokens: row t of ``k``/``v`` goes to slot ``slot_mapping[t]``.
+
+        slot = page * page_size + offset; negative slots are skipped. fp8 caches store
+        ``x / scale`` (scale per tensor or per KV head). This portable version selects the valid
+        slots with a boolean mask, which synchronises a CUDA device; GPU backends use their own
+        sync-free store.
+        """
+        n = slot_mapping.shape[0]
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        page = slots // self.layout.page_size
+        offset = slots % self.layout.page_size
+        for cache, new, scale in ((self.k_nhd, k, k_scale), (self.v_nhd, v, v_scale)):
+            rows = new[:n][valid]
+            cache[page, offset] = quantize(rows, cache.dtype, scale)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cast ``x`` [..., Hkv, D] to the storage dtype; fp8 divides by ``scale`` ([] / [1] / [Hkv])."""
+    if dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    y = x.float()
+    if scale is not None:
+        y = y / _broadcast_scale(scale, x.shape[-2])
+    finfo = torch.finfo(dtype)
+    return y.clamp(finfo.min, finfo.max).to(dtype)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 view of stored K/V [..., Hkv, D]; fp8 multiplies by ``scale`` ([] / [1] / [Hkv])."""
+    y = x.float()
+    if x.dtype in FP8_KV_DTYPES and scale is not None:
+        y = y * _broadcast_scale(scale, x.shape[-2])
+    return y
+
+
+def _broadcast_scale(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    s = scale.float().reshape(-1)
+    return s.view(num_kv_heads, 1) if s.numel() == num_kv_heads and num_kv_heads > 1 else s[:1]

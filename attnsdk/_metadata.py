@@ -1,0 +1,193 @@
+"""``AttentionMetadata``: the per-step batch description shared by every layer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnsdk._errors import InvalidMetadataError
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from attnsdk._kv import KVCache, KVCacheLayout
+
+__all__ = ["AttentionMetadata"]
+
+IntsLike: TypeAlias = Sequence[int] | torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """One step's batch: which new tokens belong to which sequence, and where its KV lives.
+
+    Shape legend: B sequences, T new query tokens, W page-table width (max pages per sequence).
+    Sequence b owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; they sit at KV
+    positions ``seq_lens[b] - query_len[b] ... seq_lens[b] - 1``. Build it with ``from_seqlens``
+    (which derives the slot mapping) or ``from_tensors`` (an engine's own tensors, no copy).
+
+    >>> meta = AttentionMetadata.from_seqlens(
+    ...     query_lens=[1, 3], seq_lens=[5, 3], page_table=[[1, 2], [3, 0]], page_size=4)
+    >>> meta.slot_mapping.tolist(), meta.max_query_len, meta.max_seq_len
+    ([8, 12, 13, 14], 3, 5)
+    """
+
+    query_start_loc: torch.Tensor
+    """(B + 1,) int32, on the device: prefix sum of query lengths, starting at 0."""
+    seq_lens: torch.Tensor
+    """(B,) int32, on the device: KV length of each sequence after this step."""
+    page_table: torch.Tensor
+    """(B, W) int32, on the device: logical page i of sequence b is ``page_table[b, i]``."""
+    slot_mapping: torch.Tensor
+    """(T,) int64, on the device: cache slot (page * P + offset) of each new token; < 0 = skip."""
+    query_start_loc_cpu: torch.Tensor
+    """(B + 1,) int32, on the CPU: host twin of ``query_start_loc``."""
+    seq_lens_cpu: torch.Tensor
+    """(B,) int32, on the CPU: host twin of ``seq_lens``."""
+    num_tokens: int
+    """Real query tokens, ``query_start_loc_cpu[-1]``; q may hold more rows (graph padding)."""
+    max_query_len: int
+    """Host int, >= every query length (equal to the max outside CUDA graphs)."""
+    max_seq_len: int
+    """Host int, >= every seq length (equal to the max outside CUDA graphs)."""
+
+    @property
+    def num_seqs(self) -> int:
+        """B."""
+        return self.seq_lens_cpu.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_lens.device
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        """(B,) int32, on the CPU: new tokens per sequence."""
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @classmethod
+    def from_seqlens(
+        cls,
+        query_lens: IntsLike,
+        seq_lens: IntsLike,
+        page_table: IntsLike | Sequence[Sequence[int]],
+        page_size: int,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """Build metadata from host lengths and a page table, deriving ``slot_mapping``.
+
+        ``query_lens`` and ``seq_lens`` are host ints (lists or CPU tensors). ``page_table`` is a
+        (B, W) tensor or nested list; ``device`` defaults to the page table's device (CPU for a
+        list). Token j of sequence b is written at position ``seq_lens[b] - query_lens[b] + j``.
+        """
+        q = _host_ints("query_lens", query_lens)
+        s = _host_ints("seq_lens", seq_lens)
+        if q.shape != s.shape:
+            raise InvalidMetadataError(
+                "query_lens", f"one length per sequence ({s.shape[0]} like seq_lens)", q.shape[0]
+            )
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise InvalidMetadataError("page_size", "a positive int", repr(page_size))
+        _check_lengths(q, s)
+        pt = torch.as_tensor(page_table, dtype=torch.int32)
+        if device is None:
+            device = pt.device
+        if pt.dim() != 2 or pt.shape[0] != s.shape[0]:
+            raise InvalidMetadataError("page_table", f"shape (B={s.shape[0]}, W)", tuple(pt.shape))
+        needed = int(((s + page_size - 1) // page_size).max()) if s.numel() else 0
+        if needed > pt.shape[1]:
+            raise InvalidMetadataError(
+                "page_table", f"at least {needed} columns (max seq_len / page_size)", pt.shape[1]
+            )
+        qsl_cpu = torch.zeros(q.shape[0] + 1, dtype=torch.int32)
+        torch.cumsum(q, 0, out=qsl_cpu[1:])
+        # Each new token's (sequence, position), then its slot from the page table.
+        seq_of_token = torch.repeat_interleave(torch.arange(q.shape[0]), q.long())
+        pos = torch.arange(int(qsl_cpu[-1])) - qsl_cpu[:-1].long()[seq_of_token]
+        pos += (s - q).long()[seq_of_token]
+        pt_dev = pt.to(device)
+        pages = pt_dev[seq_of_token.to(device), (pos // page_size).to(device)].long()
+        slot_mapping = pages * page_size + (pos % page_size).to(device)
+        return cls(
+            query_start_loc=qsl_cpu.to(device),
+            seq_lens=s.to(device),
+            page_table=pt_dev,
+            slot_mapping=slot_mapping,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=s,
+            num_tokens=int(qsl_cpu[-1]),
+            max_query_len=int(q.max()) if q.numel() else 0,
+            max_seq_len=int(s.max()) if s.numel() else 0,
+        )
+
+    @classmethod
+    def from_tensors(
+        cls,
+        *,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        page_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start_loc_cpu: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+    ) -> AttentionMetadata:
+        """Adopt an engine's tensors as they are (no copy when dtypes already match).
+
+        The host maxima default to the maxima of the host twins. No device sync.
+        """
+        qsl_cpu = query_start_loc_cpu.to(torch.int32)
+        s_cpu = seq_lens_cpu.to(torch.int32)
+        q_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
+        if max_query_len is None:
+            max_query_len = int(q_cpu.max()) if q_cpu.numel() else 0
+        if max_seq_len is None:
+            max_seq_len = int(s_cpu.max()) if s_cpu.numel() else 0
+        return cls(
+            query_start_loc=query_start_loc.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            page_table=page_table.to(torch.int32),
+            slot_mapping=slot_mapping.to(torch.int64),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=s_cpu,
+            num_tokens=int(qsl_cpu[-1]),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+    def validate(self, layout_or_cache: KVCacheLayout | KVCache) -> AttentionMetadata:
+        """Check every invariant (may sync the device); raise ``InvalidMetadataError`` on the first.
+
+        Given a ``KVCache`` it also checks every page index against the cache's page count.
+        Returns ``self`` so it can be chained.
+        """
+        from attnsdk._validate import validate_metadata
+
+        validate_metadata(self, layout_or_cache)
+        return self
+
+
+def _host_ints(field: str, values: IntsLike) -> torch.Tensor:
+    if isinstance(values, torch.Tensor) and values.is_floating_point():
+        raise InvalidMetadataError(field, "integers", values.dtype)
+    t = torch.as_tensor(values).to("cpu", torch.int32)
+    if t.dim() != 1:
+        raise InvalidMetadataError(field, "a 1-D sequence of ints", tuple(t.shape))
+    return t
+
+
+def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    if bool((query_lens < 0).any()):
+        b = int(torch.nonzero(query_lens < 0)[0])
+        raise InvalidMetadataError(f"query_lens[{b}]", ">= 0", int(query_lens[b]))
+    if bool((query_lens > seq_lens).any()):
+        b = int(torch.nonzero(query_lens > seq_lens)[0])
+        raise InvalidMetadataError(
+            f"seq_lens[{b}]",
+            f">= query_lens[{b}]={int(query_lens[b])} (seq_lens count cached + new tokens)",
+            int(seq_lens[b]),
+        )

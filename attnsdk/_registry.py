@@ -1,0 +1,291 @@
+"""Backend registry: ``register_backend``, ``create_backend``, ``explain``.
+
+Registering never activates anything: a registry entry is a name, a factory (or a lazy
+"module:attr" path to one), a priority and an options model. Built-ins and the
+``attnsdk.backends`` entry-point group are resolved on first use.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+from attnsdk._capabilities import Capabilities, Reason, ReasonKind, capability_reasons
+from attnsdk._errors import BackendUnavailableError, UnsupportedConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from attnsdk._backend import Backend
+    from attnsdk._config import AttentionConfig
+    from attnsdk._kv import KVCacheLayout
+    from attnsdk._layer import LayerSpec
+
+__all__ = ["Registration", "backend_names", "create_backend", "explain", "register_backend"]
+
+logger = logging.getLogger("attnsdk")
+
+ENTRY_POINT_GROUP = "attnsdk.backends"
+
+
+class NoOptions(BaseModel):
+    """Options model of a backend that takes none."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+Factory = Callable[[Any], "Backend"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    target: Factory | str
+    priority: int
+    options: type[BaseModel] | str | None
+    """None: the factory's ``Options`` attribute, else ``NoOptions`` (entry-point backends)."""
+
+    def factory(self) -> Any:
+        return _resolve(self.target)
+
+    def options_model(self) -> type[BaseModel]:
+        if self.options is None:
+            return getattr(self.factory(), "Options", NoOptions)
+        return _resolve(self.options)
+
+    def environment_reasons(self, device: torch.device | str | None) -> list[Reason]:
+        probe = getattr(self.factory(), "environment_reasons", None)
+        return list(probe(device)) if probe is not None else []
+
+
+class Registration:
+    """Handle returned by ``register_backend``; ``remove()`` unregisters (idempotent)."""
+
+    def __init__(self, name: str, entry: _Entry) -> None:
+        self.name = name
+        self._entry = entry
+
+    def remove(self) -> None:
+        with _LOCK:
+            if _REGISTRY.get(self.name) is self._entry:
+                del _REGISTRY[self.name]
+
+    def __repr__(self) -> str:
+        return f"Registration({self.name!r})"
+
+
+_LOCK = threading.RLock()
+_REGISTRY: dict[str, _Entry] = {}
+_PLUGINS_LOADED = False
+_LOGGED_AUTO: set[str] = set()
+
+
+def register_backend(
+    name: str,
+    factory: Factory | str,
+    *,
+    priority: int = 0,
+    options: type[BaseModel] | str = NoOptions,
+    replace: bool = False,
+) -> Registration:
+    """Register a backend under ``name``; nothing is imported or created until it is used.
+
+    ``factory(options) -> Backend`` may be a class or a ``"module:attr"`` path. ``"auto"`` picks
+    the highest ``priority`` that can run. ``options`` is the pydantic model that validates the
+    backend's options in an ``AttentionConfig``. A factory may define ``environment_reasons(device)``
+    (a classmethod) so that "auto" and ``explain`` can check it without creating it.
+
+    >>> from attnsdk.backends.reference import ReferenceBackend
+    >>> handle = register_backend("my-reference", ReferenceBackend, priority=-1)
+    >>> "my-reference" in backend_names()
+    True
+    >>> handle.remove()
+    """
+    if not isinstance(name, str) or not name or name == "auto":
+        raise UnsupportedConfigError(
+            f"cannot register a backend named {name!r}: pick a non-empty name other than 'auto'"
+        )
+    entry = _Entry(name, factory, priority, options)
+    with _LOCK:
+        _load_plugins()
+        if name in _REGISTRY and not replace:
+            raise UnsupportedConfigError(
+                f"a backend named {name!r} is already registered; pass replace=True to override it"
+            )
+        _REGISTRY[name] = entry
+    return Registration(name, entry)
+
+
+def backend_names() -> list[str]:
+    """Registered backend names, highest priority first."""
+    return [e.name for e in _entries()]
+
+
+def lookup(name: str) -> _Entry:
+    """The registry entry for ``name``; an unknown name lists the known ones and the closest."""
+    with _LOCK:
+        _load_plugins()
+        entry = _REGISTRY.get(name)
+    if entry is None:
+        known = sorted(_REGISTRY)
+        close = difflib.get_close_matches(name, [*known, "auto"], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UnsupportedConfigError(
+            f"unknown attention backend {name!r}; known backends: {', '.join(['auto', *known])}.{hint}"
+        )
+    return entry
+
+
+def create_backend(
+    config: AttentionConfig | str | None = None, *, device: torch.device | str | None = None
+) -> Backend:
+    """Create a backend from a name, an ``AttentionConfig`` or (None) the environment.
+
+    None reads ``ATTNSDK_CONFIG`` (a file) or ``ATTNSDK_BACKEND`` (a name), else ``"auto"``.
+    ``"auto"`` creates the highest-priority backend that can run here and logs its choice once;
+    an explicit backend that cannot run raises ``UnsupportedConfigError`` with every reason.
+
+    >>> create_backend("reference").name
+    'reference'
+    """
+    from attnsdk._config import AttentionConfig
+
+    if config is None:
+        config = AttentionConfig.from_env()
+    elif isinstance(config, str):
+        if config != "auto":
+            lookup(config)
+        config = AttentionConfig(backend=config)
+    if config.backend == "auto":
+        return _create_auto(config, device)
+    entry = lookup(config.backend)
+    reasons = entry.environment_reasons(device)
+    if reasons:
+        raise UnsupportedConfigError(f"backend {entry.name!r} cannot run here:", reasons)
+    backend: Backend = entry.factory()(config.options)
+    return backend
+
+
+def explain(
+    config: AttentionConfig | str,
+    layer: LayerSpec | None = None,
+    layout: KVCacheLayout | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, list[Reason]]:
+    """Every reason each candidate backend cannot serve ``layer`` / ``layout`` on ``device``.
+
+    For ``"auto"`` every registered backend is listed (highest priority first); otherwise only
+    the configured one. An empty list means the backend can serve the request.
+
+    >>> from attnsdk import LayerSpec
+    >>> explain("reference", LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64))
+    {'reference': []}
+    """
+    name = config if isinstance(config, str) else config.backend
+    entries = _entries() if name == "auto" else [lookup(name)]
+    return {e.name: _reasons(e, layer, layout, device) for e in entries}
+
+
+def _reasons(
+    entry: _Entry,
+    layer: LayerSpec | None,
+    layout: KVCacheLayout | None,
+    device: torch.device | str | None,
+) -> list[Reason]:
+    factory = entry.factory()
+    env = entry.environment_reasons(device)
+    caps = getattr(factory, "capabilities", None)
+    if isinstance(caps, Capabilities):
+        checked = capability_reasons(caps, layer, layout, device)
+        return sorted(set(env) | {r for r in checked if r.kind is not ReasonKind.ENVIRONMENT})
+    if env:
+        return env
+    try:
+        backend = factory(entry.options_model()())
+    except BackendUnavailableError as exc:
+        return [Reason(ReasonKind.ENVIRONMENT, "install", str(exc))]
+    return backend.unsupported_reasons(layer, layout, device)
+
+
+def _create_auto(config: AttentionConfig, device: torch.device | str | None) -> Backend:
+    candidates = getattr(config.options, "candidates", None)
+    entries = [lookup(n) for n in candidates] if candidates else _entries()
+    skipped: dict[str, list[Reason]] = {}
+    for entry in entries:
+        reasons = entry.environment_reasons(device)
+        if reasons:
+            skipped[entry.name] = reasons
+            continue
+        options = entry.options_model()()
+        backend: Backend = entry.factory()(options)
+        with _LOCK:
+            first = entry.name not in _LOGGED_AUTO
+            _LOGGED_AUTO.add(entry.name)
+        if first:
+            why = "; ".join(f"{n}: {r[0]}" for n, r in skipped.items())
+            logger.info(
+                "attnsdk auto backend: %s%s", entry.name, f" (skipped {why})" if why else ""
+            )
+        return backend
+    flat = [r for rs in skipped.values() for r in rs]
+    raise UnsupportedConfigError(
+        "no attention backend can run here: " + ", ".join(f"{n}" for n in skipped), flat
+    )
+
+
+def _entries() -> list[_Entry]:
+    with _LOCK:
+        _load_plugins()
+        entries = list(_REGISTRY.values())
+    return sorted(entries, key=lambda e: (-e.priority, e.name))
+
+
+def _resolve(target: Any) -> Any:
+    if not isinstance(target, str):
+        return target
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _register_builtins() -> None:
+    _REGISTRY["reference"] = _Entry(
+        "reference",
+        "attnsdk.backends.reference:ReferenceBackend",
+        0,
+        "attnsdk.backends.reference:ReferenceOptions",
+    )
+
+
+def _load_plugins() -> None:
+    """Add entry-point backends (``[project.entry-points."attnsdk.backends"]``) once."""
+    global _PLUGINS_LOADED
+    if _PLUGINS_LOADED:
+        return
+    _PLUGINS_LOADED = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _REGISTRY:
+            continue
+        target = ep.value
+        _REGISTRY[ep.name] = _Entry(ep.name, target, _plugin_attr(target, "priority", 0), None)
+
+
+def _plugin_attr(target: str, name: str, default: int) -> int:
+    try:
+        return int(getattr(_resolve(target), name, default))
+    except Exception:  # a broken plugin is reported when it is used, not at listing time
+        logger.warning("attnsdk: could not load backend entry point %s", target, exc_info=True)
+        return default
+
+
+_register_builtins()

@@ -1,0 +1,160 @@
+"""Thorough invariant checks behind ``AttentionMetadata.validate`` (slow path; may sync)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnsdk._errors import InvalidMetadataError
+from attnsdk._kv import KVCache, KVCacheLayout
+
+if TYPE_CHECKING:
+    from attnsdk._metadata import AttentionMetadata
+
+_CPU = torch.device("cpu")
+
+
+def validate_metadata(meta: AttentionMetadata, layout_or_cache: KVCacheLayout | KVCache) -> None:
+    if isinstance(layout_or_cache, KVCache):
+        layout, num_pages = layout_or_cache.layout, layout_or_cache.num_pages
+        cache_device: torch.device | None = layout_or_cache.device
+    elif isinstance(layout_or_cache, KVCacheLayout):
+        layout, num_pages, cache_device = layout_or_cache, None, None
+    else:
+        raise InvalidMetadataError(
+            "layout_or_cache", "a KVCacheLayout or KVCache", type(layout_or_cache).__name__
+        )
+    _check_tensors(meta, cache_device)
+    qsl = meta.query_start_loc_cpu.long()
+    seq = meta.seq_lens_cpu.long()
+    _check_host_twins(meta)
+
+    if int(qsl[0]) != 0:
+        raise InvalidMetadataError("query_start_loc[0]", "0", int(qsl[0]))
+    qlen = qsl[1:] - qsl[:-1]
+    _first_bad("query_start_loc", qlen < 0, "non-decreasing", qsl[1:], offset=1)
+    if meta.num_tokens != int(qsl[-1]):
+        raise InvalidMetadataError(
+            "num_tokens", f"query_start_loc[-1]={int(qsl[-1])}", meta.num_tokens
+        )
+    _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
+    if qlen.numel():
+        if meta.max_query_len < int(qlen.max()):
+            raise InvalidMetadataError("max_query_len", f">= {int(qlen.max())}", meta.max_query_len)
+        if meta.max_seq_len < int(seq.max()):
+            raise InvalidMetadataError("max_seq_len", f">= {int(seq.max())}", meta.max_seq_len)
+
+    page_size = layout.page_size
+    pt = meta.page_table.to(_CPU).long()
+    pages_needed = (seq + page_size - 1) // page_size
+    width = int(pages_needed.max()) if pages_needed.numel() else 0
+    if width > pt.shape[1]:
+        b = int(torch.argmax(pages_needed))
+        raise InvalidMetadataError(
+            "page_table",
+            f"at least {width} columns for seq_lens[{b}]={int(seq[b])} at page_size {page_size}",
+            f"{pt.shape[1]} columns",
+        )
+    used = torch.arange(pt.shape[1]) < pages_needed[:, None]
+    _first_bad_2d("page_table", (pt < 0) & used, ">= 0", pt)
+    if num_pages is not None:
+        _first_bad_2d("page_table", (pt >= num_pages) & used, f"< num_pages={num_pages}", pt)
+
+    slots = meta.slot_mapping.to(_CPU)
+    if slots.shape[0] < meta.num_tokens:
+        raise InvalidMetadataError(
+            "slot_mapping", f"at least num_tokens={meta.num_tokens} entries", slots.shape[0]
+        )
+    _first_bad(
+        "slot_mapping",
+        slots[meta.num_tokens :] >= 0,
+        "< 0 (no write) for padding rows past num_tokens",
+        slots[meta.num_tokens :],
+        offset=meta.num_tokens,
+    )
+    # Each written token must land where the page table says its position lives.
+    real = slots[: meta.num_tokens]
+    seq_of_token = torch.repeat_interleave(torch.arange(qlen.shape[0]), qlen)
+    pos = torch.arange(meta.num_tokens) - qsl[:-1][seq_of_token] + (seq - qlen)[seq_of_token]
+    expected = pt[seq_of_token, pos // page_size] * page_size + pos % page_size
+    wrong = (real >= 0) & (real != expected)
+    if bool(wrong.any()):
+        t = int(torch.nonzero(wrong)[0])
+        b, p = int(seq_of_token[t]), int(pos[t])
+        raise InvalidMetadataError(
+            f"slot_mapping[{t}]",
+            f"{int(expected[t])} = page_table[{b}, {p // page_size}] * {page_size} + "
+            f"{p % page_size} (sequence {b}, position {p}) or a negative 'no write' slot",
+            int(real[t]),
+            "Slots inside one page must belong to one sequence and be page-contiguous",
+        )
+    written = real[real >= 0]
+    if written.numel() != torch.unique(written).numel():
+        dup = _first_duplicate(written)
+        raise InvalidMetadataError(
+            "slot_mapping", "each slot written at most once", f"slot {dup} twice"
+        )
+    if num_pages is not None and written.numel() and int(written.max()) >= num_pages * page_size:
+        raise InvalidMetadataError(
+            "slot_mapping", f"< num_pages * page_size = {num_pages * page_size}", int(written.max())
+        )
+
+
+def _check_tensors(meta: AttentionMetadata, cache_device: torch.device | None) -> None:
+    b = meta.seq_lens_cpu.shape[0] if meta.seq_lens_cpu.dim() == 1 else -1
+    specs = (
+        ("query_start_loc", meta.query_start_loc, torch.int32, (b + 1,), None),
+        ("seq_lens", meta.seq_lens, torch.int32, (b,), None),
+        ("page_table", meta.page_table, torch.int32, (b, -1), None),
+        ("slot_mapping", meta.slot_mapping, torch.int64, (-1,), None),
+        ("query_start_loc_cpu", meta.query_start_loc_cpu, torch.int32, (b + 1,), _CPU),
+        ("seq_lens_cpu", meta.seq_lens_cpu, torch.int32, (b,), _CPU),
+    )
+    device = meta.seq_lens.device
+    for name, t, dtype, shape, where in specs:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidMetadataError(name, "a torch.Tensor", type(t).__name__)
+        if t.dtype != dtype:
+            raise InvalidMetadataError(name, f"dtype {dtype}", t.dtype)
+        if t.dim() != len(shape) or any(e not in (-1, f) for e, f in zip(shape, t.shape)):
+            legend = "(B + 1,)" if shape[0] == b + 1 else str(shape).replace("-1", "any")
+            raise InvalidMetadataError(name, f"shape {legend} with B={b}", tuple(t.shape))
+        expected_device = where or device
+        if t.device.type != expected_device.type:
+            raise InvalidMetadataError(f"{name}.device", str(expected_device), t.device)
+    if cache_device is not None and device != cache_device:
+        raise InvalidMetadataError("seq_lens.device", f"the cache's device {cache_device}", device)
+
+
+def _check_host_twins(meta: AttentionMetadata) -> None:
+    for name, dev, host in (
+        ("query_start_loc", meta.query_start_loc, meta.query_start_loc_cpu),
+        ("seq_lens", meta.seq_lens, meta.seq_lens_cpu),
+    ):
+        diff = dev.to(_CPU) != host
+        if bool(diff.any()):
+            i = int(torch.nonzero(diff)[0])
+            raise InvalidMetadataError(
+                f"{name}_cpu[{i}]", f"{int(dev[i])} (its device twin)", int(host[i])
+            )
+
+
+def _first_bad(
+    field: str, bad: torch.Tensor, expected: str, values: torch.Tensor, offset: int = 0
+) -> None:
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise InvalidMetadataError(f"{field}[{i + offset}]", expected, int(values[i]))
+
+
+def _first_bad_2d(field: str, bad: torch.Tensor, expected: str, values: torch.Tensor) -> None:
+    if bool(bad.any()):
+        b, i = (int(x) for x in torch.nonzero(bad)[0])
+        raise InvalidMetadataError(f"{field}[{b}, {i}]", expected, int(values[b, i]))
+
+
+def _first_duplicate(values: torch.Tensor) -> int:
+    sorted_vals, _ = torch.sort(values)
+    same = sorted_vals[1:] == sorted_vals[:-1]
+    return int(sorted_vals[1:][same][0])

@@ -1,0 +1,1 @@
+"""One module per backend. Importing a backend module never imports its kernel library."""

@@ -1,0 +1,193 @@
+"""``make_batch``: a random paged batch (inputs, metadata, prefilled cache) from a ``BatchSpec``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from attnsdk._errors import InvalidInputError
+from attnsdk._kv import KVCache, KVCacheLayout, KVOrder, quantize
+from attnsdk._metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from attnsdk._backend import Backend
+    from attnsdk._layer import LayerSpec
+    from attnsdk.testing._spec import BatchSpec
+
+__all__ = ["Batch", "PageOrder", "assign_pages", "make_batch"]
+
+PageOrder = Literal["shuffled", "contiguous", "interleaved"]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Everything one ``Backend.forward`` call needs, built by ``make_batch``."""
+
+    spec: BatchSpec
+    layer: LayerSpec
+    metadata: AttentionMetadata
+    cache: KVCache
+    """Prefilled with random context; every other slot holds random values too."""
+    q: torch.Tensor
+    """(T, Hq, D) in the layout's compute dtype."""
+    k: torch.Tensor
+    """(T, Hkv, D): new keys, written at ``metadata.slot_mapping`` by forward."""
+    v: torch.Tensor
+    """(T, Hkv, Dv): new values."""
+    sinks: torch.Tensor | None = None
+    """(Hq,) fp32 when ``layer.has_sinks``."""
+    k_scale: torch.Tensor | None = None
+    """fp32 () or (Hkv,) for fp8 caches."""
+    v_scale: torch.Tensor | None = None
+
+    def fresh_cache(self) -> KVCache:
+        """A copy of the initial cache, so several backends can run from the same state."""
+        return KVCache(self.cache.layout, self.cache.k.clone(), self.cache.v.clone())
+
+    def run(self, backend: Backend, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
+        """Plan and run ``backend`` on a fresh cache copy; return (out[:num_tokens], cache).
+
+        The output buffer is poisoned with NaN first, so rows a backend forgets show up.
+        """
+        cache = cache or self.fresh_cache()
+        plan = backend.plan(self.metadata)
+        out = torch.full(
+            (self.q.shape[0], self.layer.num_heads, self.layer.v_dim),
+            float("nan"),
+            dtype=self.q.dtype,
+            device=self.q.device,
+        )
+        result = backend.forward(
+            self.q,
+            self.k,
+            self.v,
+            cache,
+            plan,
+            self.layer,
+            sinks=self.sinks,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            out=out,
+        )
+        return result[: self.metadata.num_tokens], cache
+
+
+def assign_pages(
+    pages_per_seq: list[int], num_pages: int, order: PageOrder, generator: torch.Generator
+) -> list[list[int]]:
+    """Physical pages for each sequence from pages 1..num_pages-1 (page 0 is reserved)."""
+    total = sum(pages_per_seq)
+    if total > num_pages - 1:
+        raise InvalidInputError(
+            "num_pages", f">= {total + 1} (pages needed + reserved page 0)", num_pages
+        )
+    if order == "contiguous":
+        pool = list(range(1, total + 1))
+    elif order == "shuffled":
+        pool = (torch.randperm(num_pages - 1, generator=generator)[:total] + 1).tolist()
+    elif order == "interleaved":
+        # Round-robin allocation, as when sequences grow one page at a time side by side.
+        slots = [
+            (i, b)
+            for i in range(max(pages_per_seq, default=0))
+            for b, n in enumerate(pages_per_seq)
+            if i < n
+        ]
+        by_seq: list[list[int]] = [[] for _ in pages_per_seq]
+        for page, (_, b) in enumerate(slots, start=1):
+            by_seq[b].append(page)
+        return by_seq
+    else:
+        raise InvalidInputError("pages", "'shuffled', 'contiguous' or 'interleaved'", repr(order))
+    out, start = [], 0
+    for n in pages_per_seq:
+        out.append(pool[start : start + n])
+        start += n
+    return out
+
+
+def make_batch(
+    spec: BatchSpec,
+    layer: LayerSpec,
+    layout: KVCacheLayout,
+    *,
+    pages: PageOrder = "shuffled",
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    spare_pages: int = 3,
+    per_head_scales: bool = False,
+) -> Batch:
+    """A random batch for ``spec``: q/k/v, metadata, a prefilled cache, sinks and fp8 scales.
+
+    Page 0 is reserved for padding rows; ``spare_pages`` unused pages make out-of-range reads
+    visible. Values are drawn from a generator seeded with ``seed`` (on the CPU, then moved).
+
+    >>> from attnsdk import KVCacheLayout, LayerSpec
+    >>> from attnsdk.testing import BatchSpec
+    >>> layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=32)
+    >>> batch = make_batch(BatchSpec.decode(batch_size=2), layer, KVCacheLayout(2, 32, 16))
+    >>> tuple(batch.q.shape), batch.metadata.num_seqs
+    ((2, 4, 32), 2)
+    """
+    if layer.num_kv_heads != layout.num_kv_heads or layer.head_dim != layout.head_dim:
+        raise InvalidInputError(
+            "layer",
+            f"num_kv_heads/head_dim = {(layout.num_kv_heads, layout.head_dim)} like the layout",
+            (layer.num_kv_heads, layer.head_dim),
+        )
+    gen = torch.Generator().manual_seed(seed)
+    p = layout.page_size
+    pages_per_seq = [0 if pad else -(-s // p) for s, pad in zip(spec.seq_lens, spec.padded)]
+    num_pages = sum(pages_per_seq) + 1 + spare_pages
+    assigned = assign_pages(pages_per_seq, num_pages, pages, gen)
+    width = max([1, *(-(-s // p) for s in spec.seq_lens)])
+    table = torch.zeros(spec.num_seqs, width, dtype=torch.int32)
+    for b, row in enumerate(assigned):
+        table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    meta = AttentionMetadata.from_seqlens(spec.query_lens, spec.seq_lens, table, p, device=device)
+    if any(spec.padded):
+        pad_tokens = torch.repeat_interleave(
+            torch.tensor(spec.padded), torch.tensor(spec.query_lens)
+        ).to(device)
+        meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.masked_fill(pad_tokens, -1))
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    t, hq, hkv, d, dv = (
+        spec.num_tokens,
+        layer.num_heads,
+        layer.num_kv_heads,
+        layer.head_dim,
+        layer.v_dim,
+    )
+    dtype = layout.dtype
+    k_scale = v_scale = None
+    if layout.is_quantized:
+        n = hkv if per_head_scales else 1
+        k_scale = (0.5 + torch.rand(n, generator=gen)).reshape(() if n == 1 else (n,))
+        v_scale = (0.5 + torch.rand(n, generator=gen)).reshape(() if n == 1 else (n,))
+    k_cache = quantize(randn(num_pages, p, hkv, d), layout.storage_dtype, k_scale)
+    v_cache = quantize(randn(num_pages, p, hkv, dv), layout.storage_dtype, v_scale)
+    if layout.kv_order is KVOrder.HND:
+        k_cache, v_cache = (
+            k_cache.transpose(1, 2).contiguous(),
+            v_cache.transpose(1, 2).contiguous(),
+        )
+    cache = layout.wrap(k_cache.to(device), v_cache.to(device))
+    sinks = randn(hq).to(device) if layer.has_sinks else None
+    return Batch(
+        spec=spec,
+        layer=layer,
+        metadata=meta,
+        cache=cache,
+        q=randn(t, hq, d).to(device, dtype),
+        k=randn(t, hkv, d).to(device, dtype),
+        v=randn(t, hkv, dv).to(device, dtype),
+        sinks=sinks,
+        k_scale=None if k_scale is None else k_scale.to(device),
+        v_scale=None if v_scale is None else v_scale.to(device),
+    )
