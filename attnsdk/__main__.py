@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from attnsdk._cli import demo, info
+from attnsdk._errors import AttnSDKError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,9 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.command == "info":
-        return info()
-    return demo(args.backend, args.seed)
+    try:
+        if args.command == "info":
+            return info()
+        return demo(args.backend, args.seed)
+    except AttnSDKError as exc:  # a configuration problem is a message, not a traceback
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 
 from attnsdk._errors import UnsupportedConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["AttentionConfig", "AutoOptions"]
 
@@ -74,30 +77,20 @@ class AttentionConfig(BaseModel):
         p = Path(path)
         if not p.is_file():
             raise UnsupportedConfigError(f"attention config file {str(p)!r} does not exist")
-        suffix = p.suffix.lower()
-        text = p.read_text()
-        data: Any
-        if suffix == ".json":
-            data = json.loads(text)
-        elif suffix == ".toml":
-            data = _toml_loads(text)
-            data = data.get("attnsdk", data)
-        elif suffix in (".yaml", ".yml"):
-            try:
-                import yaml  # type: ignore[import-untyped]
-            except ImportError:
-                raise UnsupportedConfigError(
-                    f"reading {p.name} needs PyYAML: pip install pyyaml (or use .json / .toml)"
-                ) from None
-            data = yaml.safe_load(text)
-        else:
+        parse = _parser(p.suffix.lower(), p.name)
+        try:
+            data = parse(p.read_text())
+        except Exception as exc:  # each parser has its own error type; report them alike
             raise UnsupportedConfigError(
-                f"attention config file {p.name!r}: expected a .json, .toml, .yaml or .yml suffix"
-            )
+                f"attention config file {str(p)!r} cannot be parsed: {exc}"
+            ) from exc
+        if p.suffix.lower() == ".toml":
+            data = data.get("attnsdk", data)
         if not isinstance(data, dict):
             raise UnsupportedConfigError(
                 f"attention config file {p.name!r}: expected a mapping, found {type(data).__name__}"
             )
+        _check_backend_name(data.get("backend", "auto"))
         return cls.model_validate(data)
 
     @classmethod
@@ -113,7 +106,18 @@ class AttentionConfig(BaseModel):
                     f"{ENV_CONFIG}={path!r}; set one of them"
                 )
             return config
-        return cls(backend=name) if name else cls()
+        if not name:
+            return cls()
+        _check_backend_name(name)
+        return cls(backend=name)
+
+
+def _check_backend_name(backend: Any) -> None:
+    """Raise ``UnsupportedConfigError`` (not pydantic's wrapper of it) for an unknown name."""
+    if isinstance(backend, str) and backend != "auto":
+        from attnsdk._registry import lookup
+
+        lookup(backend)
 
 
 def _options_model(backend: Any) -> type[BaseModel]:
@@ -126,14 +130,29 @@ def _options_model(backend: Any) -> type[BaseModel]:
     return lookup(backend).options_model()
 
 
-def _toml_loads(text: str) -> dict[str, Any]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
+def _parser(suffix: str, filename: str) -> Callable[[str], Any]:
+    """The ``loads`` for a config file's suffix; a missing parser library names its install."""
+    if suffix == ".json":
+        return json.loads
+    if suffix == ".toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[import-not-found]
+            except ImportError:
+                raise UnsupportedConfigError(
+                    f"reading {filename} on Python 3.10 needs: pip install tomli"
+                ) from None
+        return tomllib.loads
+    if suffix in (".yaml", ".yml"):
         try:
-            import tomli as tomllib  # type: ignore[import-not-found]
+            import yaml  # type: ignore[import-untyped]
         except ImportError:
             raise UnsupportedConfigError(
-                "reading TOML on Python 3.10 needs: pip install tomli"
+                f"reading {filename} needs PyYAML: pip install pyyaml (or use .json / .toml)"
             ) from None
-    return tomllib.loads(text)
+        return yaml.safe_load
+    raise UnsupportedConfigError(
+        f"attention config file {filename!r}: expected a .json, .toml, .yaml or .yml suffix"
+    )

@@ -3,8 +3,9 @@
 A graph captured for ``batch_size`` rows and ``num_tokens`` token rows reads its metadata from
 fixed addresses. ``GraphBuffers`` owns those buffers (sized for the largest capture); a captured
 plan views a prefix of them, and ``replay_update`` copies a smaller real batch in, padding the
-rest: padding rows take the leftover token rows, see ``seq_len_fill`` keys on the reserved page,
-and write nothing (slot -1).
+rest: padding rows take an even share of the leftover token rows (the last one the remainder;
+at most the captured ``max_query_len`` each), see that many keys (at least ``seq_len_fill``) on the reserved page and
+write nothing (slot -1); token rows left over after that belong to no sequence.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ class GraphBuffers:
     def capture_metadata(self, batch_size: int, num_tokens: int) -> AttentionMetadata:
         """Metadata of basic-slice views for a graph of ``batch_size`` rows and ``num_tokens`` tokens.
 
-        Its host maxima are upper bounds (all tokens in one row, every page used) because the
-        captured kernels keep them; replay may then use any smaller real batch.
+        Its host maxima are upper bounds (every row has at least one token and one row all the
+        rest; every page used) because the captured kernels keep them; replay takes any smaller
+        real batch whose longest query fits ``max_query_len``.
         """
         if not 0 < batch_size <= self.max_batch:
             raise InvalidInputError("batch_size", f"1..max_batch={self.max_batch}", batch_size)
@@ -73,7 +75,8 @@ class GraphBuffers:
             raise InvalidInputError(
                 "num_tokens", f"{batch_size}..max_tokens={self.max_tokens}", num_tokens
             )
-        self._pad(0, 0, batch_size, num_tokens)
+        max_query_len = num_tokens - batch_size + 1
+        self._pad(0, 0, batch_size, num_tokens, max_query_len)
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: batch_size + 1],
             seq_lens=self.seq_lens[:batch_size],
@@ -82,7 +85,7 @@ class GraphBuffers:
             query_start_loc_cpu=self.query_start_loc_cpu[: batch_size + 1],
             seq_lens_cpu=self.seq_lens_cpu[:batch_size],
             num_tokens=num_tokens,
-            max_query_len=num_tokens - batch_size + 1,
+            max_query_len=max_query_len,
             max_seq_len=self.max_pages * self.page_size,
         )
 
@@ -112,14 +115,16 @@ class GraphBuffers:
         self.slot_mapping[:t].copy_(meta.slot_mapping[:t], non_blocking=True)
         self.query_start_loc_cpu[: b + 1].copy_(meta.query_start_loc_cpu)
         self.seq_lens_cpu[:b].copy_(meta.seq_lens_cpu)
-        self._pad(b, t, bs, tokens)
+        self._pad(b, t, bs, tokens, captured.max_query_len)
 
-    def _pad(self, b: int, t: int, bs: int, tokens: int) -> None:
-        """Rows b..bs-1 share token rows t..tokens-1 evenly (the last takes the remainder)."""
+    def _pad(self, b: int, t: int, bs: int, tokens: int, max_query_len: int) -> None:
+        """Rows b..bs-1 share token rows t..tokens-1 evenly (the last also takes the remainder),
+        each at most ``max_query_len``."""
         self.slot_mapping[t:tokens].fill_(-1)
         if b == bs:
             return
-        share = (tokens - t) // (bs - b)
+        share = min((tokens - t) // (bs - b), max_query_len)
+        end = min(tokens, t + share * (bs - b - 1) + max_query_len)
         self.page_table[b:bs].fill_(self.reserved_page)
         for qsl, seq, ramp in (
             (self.query_start_loc, self.seq_lens, self._ramp),
@@ -128,6 +133,6 @@ class GraphBuffers:
             pad = qsl[b + 1 : bs + 1]
             torch.mul(ramp[1 : bs - b + 1], share, out=pad)
             pad.add_(t)
-            qsl[bs].fill_(tokens)
+            qsl[bs].fill_(end)
             torch.sub(qsl[b + 1 : bs + 1], qsl[b:bs], out=seq[b:bs])
             seq[b:bs].clamp_(min=self.seq_len_fill)

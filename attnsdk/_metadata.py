@@ -48,7 +48,9 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor
     """(B,) int32, on the CPU: host twin of ``seq_lens``."""
     num_tokens: int
-    """Real query tokens, ``query_start_loc_cpu[-1]``; q may hold more rows (graph padding)."""
+    """Query token rows the step covers: ``query_start_loc_cpu[-1]``, except in a plan replayed
+    under a CUDA graph, where it is the captured count and rows past ``query_start_loc[-1]``
+    belong to no sequence (their slots are negative, their outputs unspecified)."""
     max_query_len: int
     """Host int, >= every query length (equal to the max outside CUDA graphs)."""
     max_seq_len: int

@@ -51,7 +51,7 @@ class _Entry:
     target: Factory | str
     priority: int
     options: type[BaseModel] | str | None
-    """None: the factory's ``Options`` attribute, else ``NoOptions`` (entry-point backends)."""
+    """None: the factory's ``Options`` attribute, else ``NoOptions``."""
 
     def factory(self) -> Any:
         return _resolve(self.target)
@@ -62,7 +62,12 @@ class _Entry:
         return _resolve(self.options)
 
     def environment_reasons(self, device: torch.device | str | None) -> list[Reason]:
-        probe = getattr(self.factory(), "environment_reasons", None)
+        try:
+            factory = self.factory()
+        except Exception as exc:  # a broken plugin is one backend that cannot run, not a crash
+            why = f"{self.target} cannot be loaded: {type(exc).__name__}: {exc}"
+            return [Reason(ReasonKind.ENVIRONMENT, "import", why)]
+        probe = getattr(factory, "environment_reasons", None)
         return list(probe(device)) if probe is not None else []
 
 
@@ -93,18 +98,21 @@ def register_backend(
     factory: Factory | str,
     *,
     priority: int = 0,
-    options: type[BaseModel] | str = NoOptions,
+    options: type[BaseModel] | str | None = None,
     replace: bool = False,
 ) -> Registration:
     """Register a backend under ``name``; nothing is imported or created until it is used.
 
     ``factory(options) -> Backend`` may be a class or a ``"module:attr"`` path. ``"auto"`` picks
     the highest ``priority`` that can run. ``options`` is the pydantic model that validates the
-    backend's options in an ``AttentionConfig``. A factory may define ``environment_reasons(device)``
-    (a classmethod) so that "auto" and ``explain`` can check it without creating it.
+    backend's options in an ``AttentionConfig``; None means the factory's ``Options`` attribute,
+    else no options. A factory may define ``environment_reasons(device)`` (a classmethod) so that
+    "auto" and ``explain`` can check it without creating it, and ``reasons_for(layer, layout,
+    device)`` (a classmethod) so that ``explain`` reports more than its declared capabilities.
 
-    >>> from attnsdk.backends.reference import ReferenceBackend
-    >>> handle = register_backend("my-reference", ReferenceBackend, priority=-1)
+    >>> from attnsdk.backends.reference import ReferenceBackend, ReferenceOptions
+    >>> handle = register_backend(
+    ...     "my-reference", ReferenceBackend, priority=-1, options=ReferenceOptions)
     >>> "my-reference" in backend_names()
     True
     >>> handle.remove()
@@ -161,17 +169,21 @@ def create_backend(
     if config is None:
         config = AttentionConfig.from_env()
     elif isinstance(config, str):
-        if config != "auto":
-            lookup(config)
+        if config != "auto":  # before AttentionConfig, which resolves the options model
+            _check_can_run(lookup(config), device)
         config = AttentionConfig(backend=config)
     if config.backend == "auto":
         return _create_auto(config, device)
     entry = lookup(config.backend)
+    _check_can_run(entry, device)
+    backend: Backend = entry.factory()(config.options)
+    return backend
+
+
+def _check_can_run(entry: _Entry, device: torch.device | str | None) -> None:
     reasons = entry.environment_reasons(device)
     if reasons:
         raise UnsupportedConfigError(f"backend {entry.name!r} cannot run here:", reasons)
-    backend: Backend = entry.factory()(config.options)
-    return backend
 
 
 def explain(
@@ -200,8 +212,14 @@ def _reasons(
     layout: KVCacheLayout | None,
     device: torch.device | str | None,
 ) -> list[Reason]:
-    factory = entry.factory()
     env = entry.environment_reasons(device)
+    if any(r.field == "import" for r in env):
+        return env
+    factory = entry.factory()
+    # A backend class may answer without being created (FA3 adds its build's own refusals).
+    reasons_for = getattr(factory, "reasons_for", None)
+    if reasons_for is not None:
+        return sorted(set(env) | set(reasons_for(layer, layout, device)))
     caps = getattr(factory, "capabilities", None)
     if isinstance(caps, Capabilities):
         checked = capability_reasons(caps, layer, layout, device)

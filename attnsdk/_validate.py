@@ -34,9 +34,10 @@ def validate_metadata(meta: AttentionMetadata, layout_or_cache: KVCacheLayout | 
         raise InvalidMetadataError("query_start_loc[0]", "0", int(qsl[0]))
     qlen = qsl[1:] - qsl[:-1]
     _first_bad("query_start_loc", qlen < 0, "non-decreasing", qsl[1:], offset=1)
-    if meta.num_tokens != int(qsl[-1]):
+    owned = int(qsl[-1])
+    if meta.num_tokens < owned:
         raise InvalidMetadataError(
-            "num_tokens", f"query_start_loc[-1]={int(qsl[-1])}", meta.num_tokens
+            "num_tokens", f">= query_start_loc[-1]={owned}", meta.num_tokens
         )
     _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
     if qlen.numel():
@@ -68,15 +69,15 @@ def validate_metadata(meta: AttentionMetadata, layout_or_cache: KVCacheLayout | 
         )
     _first_bad(
         "slot_mapping",
-        slots[meta.num_tokens :] >= 0,
-        "< 0 (no write) for padding rows past num_tokens",
-        slots[meta.num_tokens :],
-        offset=meta.num_tokens,
+        slots[owned:] >= 0,
+        f"< 0 (no write) for token rows past query_start_loc[-1]={owned}, which no sequence owns",
+        slots[owned:],
+        offset=owned,
     )
     # Each written token must land where the page table says its position lives.
-    real = slots[: meta.num_tokens]
+    real = slots[:owned]
     seq_of_token = torch.repeat_interleave(torch.arange(qlen.shape[0]), qlen)
-    pos = torch.arange(meta.num_tokens) - qsl[:-1][seq_of_token] + (seq - qlen)[seq_of_token]
+    pos = torch.arange(owned) - qsl[:-1][seq_of_token] + (seq - qlen)[seq_of_token]
     expected = pt[seq_of_token, pos // page_size] * page_size + pos % page_size
     wrong = (real >= 0) & (real != expected)
     if bool(wrong.any()):
@@ -102,16 +103,19 @@ def validate_metadata(meta: AttentionMetadata, layout_or_cache: KVCacheLayout | 
 
 
 def _check_tensors(meta: AttentionMetadata, cache_device: torch.device | None) -> None:
-    b = meta.seq_lens_cpu.shape[0] if meta.seq_lens_cpu.dim() == 1 else -1
+    host_seq = meta.seq_lens_cpu
+    b = host_seq.shape[0] if isinstance(host_seq, torch.Tensor) and host_seq.dim() == 1 else -1
+    # seq_lens_cpu defines B and seq_lens the device, so they are checked first: a malformed one
+    # is named itself, not its peers.
     specs = (
-        ("query_start_loc", meta.query_start_loc, torch.int32, (b + 1,), None),
+        ("seq_lens_cpu", meta.seq_lens_cpu, torch.int32, (b,), _CPU),
         ("seq_lens", meta.seq_lens, torch.int32, (b,), None),
+        ("query_start_loc", meta.query_start_loc, torch.int32, (b + 1,), None),
         ("page_table", meta.page_table, torch.int32, (b, -1), None),
         ("slot_mapping", meta.slot_mapping, torch.int64, (-1,), None),
         ("query_start_loc_cpu", meta.query_start_loc_cpu, torch.int32, (b + 1,), _CPU),
-        ("seq_lens_cpu", meta.seq_lens_cpu, torch.int32, (b,), _CPU),
     )
-    device = meta.seq_lens.device
+    device = meta.seq_lens.device if isinstance(meta.seq_lens, torch.Tensor) else _CPU
     for name, t, dtype, shape, where in specs:
         if not isinstance(t, torch.Tensor):
             raise InvalidMetadataError(name, "a torch.Tensor", type(t).__name__)

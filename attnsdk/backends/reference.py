@@ -125,7 +125,10 @@ class ReferenceBackend:
         seq_lens = meta.seq_lens_cpu.tolist()
         for b, seq_len in enumerate(seq_lens):
             q0, q1 = qsl[b], qsl[b + 1]
-            if q1 > q0:
+            if q1 > q0 and seq_len == 0:
+                # A padding row with tokens but no keys (DESIGN §2 allows seq_len 0): zeros.
+                out[q0:q1] = 0
+            elif q1 > q0:
                 kb, vb = self._gather(cache, meta.page_table[b], seq_len, k_scale, v_scale)
                 self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1])
         return out

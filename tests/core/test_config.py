@@ -1,0 +1,255 @@
+"""AttentionConfig: frozen, strict, options per backend, from files and from the environment."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+import pydantic
+import pytest
+
+import attnsdk as A
+from attnsdk.backends.reference import ReferenceOptions
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ATTNSDK_BACKEND", raising=False)
+    monkeypatch.delenv("ATTNSDK_CONFIG", raising=False)
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+def test_default_is_auto() -> None:
+    config = A.AttentionConfig()
+    assert config.backend == "auto"
+    assert config.options == A.AutoOptions()
+    assert config.options.candidates is None  # type: ignore[attr-defined]
+
+
+def test_frozen() -> None:
+    config = A.AttentionConfig(backend="reference")
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        config.backend = "auto"  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        config.options.max_scores = 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"backend": "reference", "max_score": 4096},  # a typo of max_scores
+        {"backend": "reference", "options": {"tile": 1}},
+        {"backend": "auto", "max_scores": 4096},  # another backend's option
+    ],
+)
+def test_extra_fields_are_forbidden(data: dict[str, Any]) -> None:
+    with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+        A.AttentionConfig.model_validate(data)
+
+
+def test_flat_and_nested_options_are_the_same() -> None:
+    flat = A.AttentionConfig(backend="reference", max_scores=1024)
+    nested = A.AttentionConfig.model_validate(
+        {"backend": "reference", "options": {"max_scores": 1024}}
+    )
+    typed = A.AttentionConfig(backend="reference", options=ReferenceOptions(max_scores=1024))
+    assert flat == nested == typed
+    assert flat.options == ReferenceOptions(max_scores=1024)
+
+
+def test_flat_and_nested_together_is_an_error() -> None:
+    with pytest.raises(pydantic.ValidationError, match="either flat or under 'options'"):
+        A.AttentionConfig.model_validate(
+            {"backend": "reference", "options": {"max_scores": 1}, "max_scores": 2}
+        )
+
+
+def test_options_model_is_the_backends_own() -> None:
+    assert isinstance(A.AttentionConfig(backend="reference").options, ReferenceOptions)
+    assert isinstance(A.AttentionConfig(backend="auto").options, A.AutoOptions)
+    with pytest.raises(pydantic.ValidationError, match="must be ReferenceOptions"):
+        A.AttentionConfig(backend="reference", options=A.AutoOptions())
+
+
+def test_options_are_validated_by_their_model() -> None:
+    with pytest.raises(pydantic.ValidationError, match="max_scores"):
+        A.AttentionConfig(backend="reference", max_scores=0)
+
+
+def test_auto_candidates() -> None:
+    config = A.AttentionConfig(backend="auto", candidates=["reference"])
+    assert config.options == A.AutoOptions(candidates=("reference",))
+
+
+def test_backend_must_be_a_known_string() -> None:
+    with pytest.raises(pydantic.ValidationError, match="backend must be a string"):
+        A.AttentionConfig.model_validate({"backend": 3})
+    with pytest.raises(pydantic.ValidationError, match="unknown attention backend 'nope'"):
+        A.AttentionConfig(backend="nope")
+
+
+def test_round_trips_through_a_dict() -> None:
+    config = A.AttentionConfig(backend="reference", max_scores=77)
+    dumped = config.model_dump()
+    assert dumped == {"backend": "reference", "options": {"max_scores": 77}}
+    assert A.AttentionConfig.model_validate(dumped) == config
+    assert A.AttentionConfig.model_validate_json(config.model_dump_json()) == config
+
+
+def test_create_backend_uses_the_options() -> None:
+    backend: Any = A.create_backend(A.AttentionConfig(backend="reference", max_scores=99))
+    assert backend.options == ReferenceOptions(max_scores=99)
+
+
+# --- from_file ---------------------------------------------------------------------------------
+
+FILES = {
+    "c.json": json.dumps({"backend": "reference", "max_scores": 512}),
+    "nested.json": json.dumps({"backend": "reference", "options": {"max_scores": 512}}),
+    "c.toml": 'backend = "reference"\nmax_scores = 512\n',
+    "table.toml": '[tool]\nx = 1\n\n[attnsdk]\nbackend = "reference"\nmax_scores = 512\n',
+    "nested.toml": '[attnsdk]\nbackend = "reference"\n\n[attnsdk.options]\nmax_scores = 512\n',
+    "c.yaml": "backend: reference\nmax_scores: 512\n",
+    "c.yml": "backend: reference\noptions:\n  max_scores: 512\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_from_file(tmp_path: Path, name: str) -> None:
+    if name.endswith((".yaml", ".yml")):
+        pytest.importorskip("yaml", reason="PyYAML is not installed")
+    path = tmp_path / name
+    path.write_text(FILES[name])
+    expected = A.AttentionConfig(backend="reference", max_scores=512)
+    assert A.AttentionConfig.from_file(path) == expected
+    assert A.AttentionConfig.from_file(str(path)) == expected
+
+
+def test_yaml_without_pyyaml_names_the_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "yaml", None)  # makes ``import yaml`` fail
+    path = tmp_path / "c.yaml"
+    path.write_text(FILES["c.yaml"])
+    with pytest.raises(A.UnsupportedConfigError, match="needs PyYAML: pip install pyyaml"):
+        A.AttentionConfig.from_file(path)
+
+
+def test_empty_file_is_auto(tmp_path: Path) -> None:
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    assert A.AttentionConfig.from_file(path) == A.AttentionConfig()
+
+
+def test_bad_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "config.ini"
+    path.write_text("[attnsdk]\nbackend = reference\n")
+    with pytest.raises(A.UnsupportedConfigError, match=r"expected a \.json, \.toml, \.yaml"):
+        A.AttentionConfig.from_file(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(A.UnsupportedConfigError, match="does not exist"):
+        A.AttentionConfig.from_file(tmp_path / "nope.json")
+    with pytest.raises(A.UnsupportedConfigError, match="does not exist"):
+        A.AttentionConfig.from_file(tmp_path)  # a directory is not a config file
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("bad.json", "{backend: reference"), ("bad.toml", "backend = = 1"), ("bad.yaml", "a: [1")],
+)
+def test_malformed_file_names_the_file(tmp_path: Path, name: str, text: str) -> None:
+    if name.endswith(".yaml"):
+        pytest.importorskip("yaml", reason="PyYAML is not installed")
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(A.UnsupportedConfigError, match="cannot be parsed") as info:
+        A.AttentionConfig.from_file(path)
+    assert name in str(info.value)
+
+
+def test_file_holding_a_list(tmp_path: Path) -> None:
+    path = tmp_path / "list.json"
+    path.write_text('["reference"]')
+    with pytest.raises(A.UnsupportedConfigError, match="expected a mapping, found list"):
+        A.AttentionConfig.from_file(path)
+
+
+def test_file_with_an_unknown_backend(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text('{"backend": "refernce"}')
+    with pytest.raises(A.UnsupportedConfigError, match="Did you mean 'reference'"):
+        A.AttentionConfig.from_file(path)
+
+
+def test_file_with_an_unknown_option(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text('{"backend": "reference", "max_scorez": 1}')
+    with pytest.raises(pydantic.ValidationError, match="max_scorez"):
+        A.AttentionConfig.from_file(path)
+
+
+# --- from_env ----------------------------------------------------------------------------------
+
+
+def test_from_env_default_is_auto() -> None:
+    assert A.AttentionConfig.from_env() == A.AttentionConfig()
+
+
+def test_from_env_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNSDK_BACKEND", "reference")
+    assert A.AttentionConfig.from_env() == A.AttentionConfig(backend="reference")
+    monkeypatch.setenv("ATTNSDK_BACKEND", "")
+    assert A.AttentionConfig.from_env() == A.AttentionConfig()
+
+
+def test_from_env_unknown_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNSDK_BACKEND", "refrence")
+    with pytest.raises(A.UnsupportedConfigError, match="Did you mean 'reference'"):
+        A.AttentionConfig.from_env()
+
+
+def test_from_env_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "attn.toml"
+    path.write_text(FILES["c.toml"])
+    monkeypatch.setenv("ATTNSDK_CONFIG", str(path))
+    expected = A.AttentionConfig(backend="reference", max_scores=512)
+    assert A.AttentionConfig.from_env() == expected
+    monkeypatch.setenv("ATTNSDK_BACKEND", "reference")  # agreeing with the file is fine
+    assert A.AttentionConfig.from_env() == expected
+
+
+def test_from_env_contradiction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "attn.json"
+    path.write_text(json.dumps({"backend": "reference"}))
+    monkeypatch.setenv("ATTNSDK_CONFIG", str(path))
+    monkeypatch.setenv("ATTNSDK_BACKEND", "auto")
+    with pytest.raises(A.UnsupportedConfigError, match="contradicts") as info:
+        A.AttentionConfig.from_env()
+    assert "ATTNSDK_BACKEND='auto'" in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_from_env_missing_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNSDK_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(A.UnsupportedConfigError, match="does not exist"):
+        A.AttentionConfig.from_env()
+
+
+def test_create_backend_none_reads_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "attn.json"
+    path.write_text(json.dumps({"backend": "reference", "max_scores": 3}))
+    monkeypatch.setenv("ATTNSDK_CONFIG", str(path))
+    backend: Any = A.create_backend(None)
+    assert backend.name == "reference"
+    assert backend.options == ReferenceOptions(max_scores=3)
+    monkeypatch.delenv("ATTNSDK_CONFIG")
+    monkeypatch.setenv("ATTNSDK_BACKEND", "reference")
+    assert A.create_backend().name == "reference"
