@@ -18,6 +18,7 @@ from attnsdk._kv import KVCache, KVCacheLayout, KVOrder
 from attnsdk._layer import LayerSpec
 from attnsdk._metadata import AttentionMetadata
 from attnsdk._registry import Registration, backend_names, create_backend, explain, register_backend
+from attnsdk.graphs import GraphRunner
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "Capabilities",
     "Feature",
     "GraphBuffers",
+    "GraphRunner",
     "GraphSupport",
     "InvalidInputError",
     "InvalidMetadataError",

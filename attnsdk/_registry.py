@@ -283,6 +283,9 @@ def _register_builtins() -> None:
         0,
         "attnsdk.backends.reference:ReferenceOptions",
     )
+    _REGISTRY["fa3"] = _Entry(
+        "fa3", "attnsdk.backends.fa3:FA3Backend", 100, "attnsdk.backends.fa3:FA3Options"
+    )
 
 
 def _load_plugins() -> None:

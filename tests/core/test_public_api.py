@@ -24,6 +24,7 @@ PUBLIC = [
     "Capabilities",
     "Feature",
     "GraphBuffers",
+    "GraphRunner",
     "GraphSupport",
     "InvalidInputError",
     "InvalidMetadataError",

@@ -1,0 +1,201 @@
+"""FA3 kernel providers: find one without importing it, load it, and call it the cheapest way.
+
+Three packages ship the FlashAttention-3 Hopper kernels under different names. Detection uses
+``importlib`` path lookups only, so asking "is FA3 installed?" never imports a kernel library
+(``find_spec`` on a dotted name would import the parent package).
+
+Calling route (docs/benchmarks.md has the numbers): ``flash_attn_interface.flash_attn_with_kvcache``
+spends most of its eager time outside the kernel, in a ``torch.library.custom_op`` layer
+(autograd and fake-tensor plumbing, ``maybe_contiguous`` on ten optional tensors) wrapped around
+the registered C++ op. When the registered ``flash_attn_3::fwd`` op has the schema this module
+was written against, the backend calls that op directly with positional arguments. Any other
+build goes through the provider's public Python wrapper, which is slower but always correct.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.machinery
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from attnsdk._capabilities import Reason, ReasonKind
+from attnsdk._errors import BackendUnavailableError, UnsupportedConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+__all__ = [
+    "INSTALL_COMMAND",
+    "PROVIDERS",
+    "KernelCall",
+    "Provider",
+    "build_flags",
+    "find_provider",
+    "load_kernel",
+    "module_present",
+]
+
+Provider = Literal["flash_attn_interface", "sgl_kernel", "vllm"]
+
+INSTALL_COMMAND = 'pip install "attnsdk[fa3]"'
+
+PROVIDERS: dict[Provider, str] = {
+    "flash_attn_interface": "flash_attn_interface",
+    "sgl_kernel": "sgl_kernel.flash_attn",
+    "vllm": "vllm.vllm_flash_attn",
+}
+"""Provider name -> module holding ``flash_attn_with_kvcache``, in detection order."""
+
+# ``torch.ops.flash_attn_3.fwd`` as this module calls it positionally: 35 arguments, q first,
+# the output buffer 7th, sinks last (flash_attn_interface 3.0 with sinks). Any other schema goes
+# through the Python wrapper.
+_FWD_ARITY = 35
+_FWD_MARKERS = {0: "q", 34: "sinks"}
+
+
+def module_present(name: str) -> bool:
+    """True when ``name`` (possibly dotted) can be imported; imports nothing."""
+    top, _, rest = name.partition(".")
+    spec = importlib.util.find_spec(top)
+    for part in rest.split(".") if rest else ():
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    return spec is not None
+
+
+def find_provider(pinned: Provider | Literal["auto"] = "auto") -> Provider | None:
+    """The first installed provider (or ``pinned`` if installed); None when there is none."""
+    names: tuple[Provider, ...] = tuple(PROVIDERS) if pinned == "auto" else (pinned,)
+    return next((p for p in names if module_present(PROVIDERS[p])), None)
+
+
+@functools.cache
+def build_flags() -> dict[str, bool]:
+    """Compile-time switches of the installed flash_attn_interface build ({} if unknown)."""
+    if not module_present("flash_attn_config"):
+        return {}
+    config = importlib.import_module("flash_attn_config").CONFIG  # a plain dict, no kernels
+    return dict(config.get("build_flags", {}))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCall:
+    """A loaded provider: how to run one paged FA3 forward into ``out``."""
+
+    provider: Provider
+    direct: bool
+    """True: the registered C++ op with positional arguments; False: the provider's wrapper."""
+    fwd: Callable[..., Any]
+    scheduler: Callable[..., Any] | None
+    """``get_scheduler_metadata`` op, or None if this provider lacks it."""
+    wrapper_kwargs: frozenset[str]
+    """Keyword names the Python wrapper accepts (route ``direct=False``)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        page_table: torch.Tensor,
+        max_seqlen_q: int,
+        softmax_scale: float,
+        causal: bool,
+        window: tuple[int, int],
+        softcap: float,
+        q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None,
+        v_descale: torch.Tensor | None,
+        scheduler_metadata: torch.Tensor | None,
+        num_splits: int,
+        pack_gqa: bool | None,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        if self.direct:
+            self.fwd(
+                q, k_cache, v_cache, None, None, None, out, cu_seqlens_q, None, None, None,
+                cache_seqlens, max_seqlen_q, None, page_table, None, None, None, None, None,
+                q_descale, k_descale, v_descale, softmax_scale, causal, window[0], window[1],
+                0, softcap, True, scheduler_metadata, num_splits, pack_gqa, 0, sinks,
+            )  # fmt: skip
+            return
+        kwargs: dict[str, Any] = {
+            "cache_seqlens": cache_seqlens,
+            "page_table": page_table,
+            "cu_seqlens_q": cu_seqlens_q,
+            "max_seqlen_q": max_seqlen_q,
+            "softmax_scale": softmax_scale,
+            "causal": causal,
+            "window_size": window,
+            "softcap": softcap,
+            "num_splits": num_splits,
+            "pack_gqa": pack_gqa,
+        }
+        optional = {
+            "q_descale": q_descale,
+            "k_descale": k_descale,
+            "v_descale": v_descale,
+            "scheduler_metadata": scheduler_metadata,
+        }
+        kwargs.update({k: t for k, t in optional.items() if t is not None})
+        if sinks is not None:
+            # vLLM's fork names the sink logits "s_aux"; older builds have neither.
+            name = next((n for n in ("sinks", "s_aux") if n in self.wrapper_kwargs), None)
+            if name is None:
+                raise UnsupportedConfigError(
+                    "the installed FA3 build cannot apply attention sinks:",
+                    [Reason(ReasonKind.CONFIGURATION, "sinks", f"unsupported by {self.provider}")],
+                )
+            kwargs[name] = sinks
+        if "fa_version" in self.wrapper_kwargs:
+            kwargs["fa_version"] = 3
+        if "out" in self.wrapper_kwargs:
+            self.fwd(q, k_cache, v_cache, out=out, **kwargs)
+        else:
+            out.copy_(self.fwd(q, k_cache, v_cache, **kwargs))
+
+
+def load_kernel(pinned: Provider | Literal["auto"] = "auto") -> KernelCall:
+    """Import the provider (the first installed one for "auto") and pick its calling route.
+
+    Raises ``BackendUnavailableError`` naming the install command when none is installed.
+    """
+    provider = find_provider(pinned)
+    if provider is None:
+        wanted = ", ".join(PROVIDERS.values()) if pinned == "auto" else PROVIDERS[pinned]
+        raise BackendUnavailableError(
+            f"the fa3 backend needs a FlashAttention-3 kernel library ({wanted}); none is installed.",
+            INSTALL_COMMAND,
+        )
+    module = importlib.import_module(PROVIDERS[provider])
+    if provider == "flash_attn_interface":
+        import torch
+
+        ops = getattr(torch.ops, "flash_attn_3", None)
+        fwd = getattr(ops, "fwd", None) if ops is not None else None
+        if fwd is not None and _direct_ok(_schema_names(fwd.default)):
+            sched = getattr(ops, "get_scheduler_metadata", None)
+            return KernelCall(
+                provider, True, fwd.default, sched.default if sched else None, frozenset()
+            )
+    wrapper = module.flash_attn_with_kvcache
+    names = frozenset(inspect.signature(wrapper).parameters)
+    return KernelCall(provider, False, wrapper, None, names)
+
+
+def _schema_names(op: Any) -> list[str]:
+    return [a.name for a in op._schema.arguments]
+
+
+def _direct_ok(names: list[str]) -> bool:
+    return len(names) == _FWD_ARITY and all(names[i] == n for i, n in _FWD_MARKERS.items())

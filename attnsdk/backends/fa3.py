@@ -1,0 +1,408 @@
+"""``fa3``: FlashAttention-3 paged attention on Hopper (compute capability 9.x).
+
+One varlen ``flash_attn_with_kvcache`` launch serves a whole mixed batch (decode, extend,
+prefill, empty and padding rows) straight from the paged cache: ``cu_seqlens_q`` splits the
+query rows, ``cache_seqlens`` and ``page_table`` locate each sequence's keys. New K/V are written
+first by a one-launch Triton store that skips negative slots (no device sync). Importing this
+module imports no kernel library; ``FA3Backend(...)`` does.
+
+fp8 KV (e4m3): FA3 multiplies q·k in fp8, so q is cast to the cache dtype too, as SGLang does,
+but clamped to ±448 first (torch's cast turns larger values into NaN). ``k_scale`` / ``v_scale``
+become the kernel's (B, Hkv) descales through zero-stride views. FA3 returns bf16 for fp8
+inputs, hence fp8 KV needs a bf16 layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from attnsdk._backend import Plan, check_forward_args
+from attnsdk._capabilities import (
+    Capabilities,
+    Feature,
+    GraphSupport,
+    Reason,
+    ReasonKind,
+    capability_reasons,
+    device_reasons,
+)
+from attnsdk._errors import InvalidInputError, UnsupportedConfigError
+from attnsdk._graph import GraphBuffers
+from attnsdk._kv import KVOrder
+from attnsdk.backends._fa3_kernels import (
+    INSTALL_COMMAND,
+    PROVIDERS,
+    build_flags,
+    find_provider,
+    load_kernel,
+)
+
+if TYPE_CHECKING:
+    from attnsdk._kv import KVCache, KVCacheLayout
+    from attnsdk._layer import LayerSpec
+    from attnsdk._metadata import AttentionMetadata
+    from attnsdk.backends._fa3_kernels import KernelCall
+
+__all__ = ["FA3Backend", "FA3Options", "FA3Plan"]
+
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(_FP8).max)
+_CFG = ReasonKind.CONFIGURATION
+
+
+class FA3Options(BaseModel):
+    """Options of the ``fa3`` backend."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    provider: Literal["auto", "flash_attn_interface", "sgl_kernel", "vllm"] = "auto"
+    """Kernel package; "auto" takes the first installed in that order."""
+    num_splits: int = Field(default=0, ge=0, le=256)
+    """Split-KV chunks; 0 lets FA3's heuristic (and its dynamic per-sequence split) decide."""
+    pack_gqa: bool | None = None
+    """Pack a KV head's query heads into one tile; None lets FA3 decide."""
+    precompute_scheduler: bool = True
+    """Compute FA3's ``scheduler_metadata`` once per step and layer shape (at the first layer)
+    instead of inside every layer's call. Measured on an H200 (docs/benchmarks.md) it saves
+    ~5 µs of host time per eager layer and ~15% of GPU time per layer at batch 1 under graph
+    replay, and is neutral at batch 64-256; the per-step cost is one small launch."""
+
+
+@dataclass(frozen=True, slots=True)
+class FA3Plan(Plan):
+    """``Plan`` plus the per-step FA3 scheduler metadata, filled lazily per layer shape."""
+
+    scheduler: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Static:
+    """Per (layer, layout) kernel arguments, worked out once."""
+
+    scale: float
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    quantized: bool
+    q_dtype: torch.dtype
+    """What the kernel multiplies in: the cache's fp8 dtype or the compute dtype."""
+    page_size: int
+    key: tuple[object, ...]
+    """What FA3's scheduler metadata depends on besides the batch."""
+
+
+class FA3Backend:
+    """FlashAttention-3 on Hopper. See the module docstring."""
+
+    name = "fa3"
+    priority = 100
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        kv_dtypes=frozenset({_FP8}),
+        max_head_dim=256,
+        head_dim_multiple=8,
+        orders=frozenset(KVOrder),
+        min_compute_capability=(9, 0),
+        max_compute_capability=(9, 9),
+        features=frozenset(Feature),
+        graph_support=GraphSupport.ANY_BATCH,
+    )
+    Options = FA3Options
+
+    def __init__(self, options: FA3Options | None = None) -> None:
+        self.options = options or FA3Options()
+        self._kernel: KernelCall = load_kernel(self.options.provider)
+        # Layers already checked against this backend (LayerSpec and layout are frozen values).
+        self._static: dict[tuple[LayerSpec, KVCacheLayout], _Static] = {}
+        if self.options.precompute_scheduler and self._kernel.scheduler is None:
+            raise UnsupportedConfigError(
+                "fa3 option precompute_scheduler=True needs the scheduler op of flash_attn_interface",
+                [Reason(_CFG, "precompute_scheduler", f"unavailable with {self._kernel.provider}")],
+            )
+
+    @property
+    def provider(self) -> str:
+        """The kernel package in use."""
+        return self._kernel.provider
+
+    @classmethod
+    def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
+        """Is a kernel library installed, is there a CUDA device, is it sm 9.x? Imports nothing."""
+        reasons = device_reasons(cls.capabilities, device)
+        if find_provider() is None:
+            reasons.append(
+                Reason(
+                    ReasonKind.ENVIRONMENT,
+                    "install",
+                    f"needs one of {', '.join(PROVIDERS.values())}, found none: {INSTALL_COMMAND}",
+                )
+            )
+        return sorted(reasons)
+
+    def unsupported_reasons(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        return self.reasons_for(layer, layout, device)
+
+    @classmethod
+    def reasons_for(
+        cls,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        """``unsupported_reasons`` without an instance: the capabilities, the environment and
+        what FA3 (or this build of it, read from ``flash_attn_config``) refuses."""
+        reasons = set(capability_reasons(cls.capabilities, layer, layout, device))
+        reasons.update(cls.environment_reasons(device))
+        reasons.update(_fa3_reasons(layer, layout, build_flags()))
+        return sorted(reasons)
+
+    # -- per step ---------------------------------------------------------------------------
+
+    def plan(self, meta: AttentionMetadata) -> FA3Plan:
+        # FA3 reads the metadata tensors as they are; nothing to compute or copy per step.
+        return FA3Plan(meta)
+
+    def graph_state(
+        self,
+        max_batch: int,
+        max_tokens: int,
+        max_pages: int,
+        *,
+        page_size: int,
+        device: torch.device | str,
+    ) -> GraphBuffers:
+        return GraphBuffers(max_batch, max_tokens, max_pages, page_size=page_size, device=device)
+
+    def plan_for_capture(self, state: GraphBuffers, batch_size: int, num_tokens: int) -> FA3Plan:
+        return FA3Plan(state.capture_metadata(batch_size, num_tokens), graph=state)
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        if plan.graph is None or not isinstance(plan, FA3Plan):
+            raise InvalidInputError(
+                "plan", "an FA3Plan made by plan_for_capture", type(plan).__name__
+            )
+        plan.graph.replay_update(plan.metadata, meta)
+
+    # -- per layer --------------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        check_forward_args(
+            q, k, v, cache, plan, layer, sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out
+        )
+        st = self._static.get((layer, cache.layout))
+        if st is None:
+            st = self._check_layer(layer, cache)
+        meta = plan.metadata
+        if out is None:
+            out = torch.empty(
+                q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
+            )
+        k_cache, v_cache = cache.k_nhd, cache.v_nhd
+        if k is not None and v is not None:
+            from attnsdk.backends._triton_store import store_kv
+
+            fp8_max = _FP8_MAX if st.quantized else 0.0
+            store_kv(
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                meta.num_tokens,
+                k_scale,
+                v_scale,
+                fp8_max,
+            )
+        b = meta.num_seqs
+        if b == 0 or q.shape[0] == 0:
+            return out
+        k_descale = v_descale = None
+        if st.quantized:
+            q = q.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+            hkv = layer.num_kv_heads
+            if k_scale is not None:
+                k_descale = k_scale.reshape(1, -1).expand(b, hkv)
+            if v_scale is not None:
+                v_descale = v_scale.reshape(1, -1).expand(b, hkv)
+        if sinks is not None:
+            # FA3 (flash_api_stable) reads the sink logits as bf16 whatever the compute dtype.
+            sinks = sinks.to(torch.bfloat16)
+        scheduler = (
+            self._scheduler(plan, meta, layer, st) if self.options.precompute_scheduler else None
+        )
+        self._kernel(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            cu_seqlens_q=meta.query_start_loc,
+            cache_seqlens=meta.seq_lens,
+            page_table=meta.page_table,
+            max_seqlen_q=meta.max_query_len,
+            softmax_scale=st.scale,
+            causal=st.causal,
+            window=st.window,
+            softcap=st.softcap,
+            q_descale=None,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            scheduler_metadata=scheduler,
+            num_splits=self.options.num_splits,
+            pack_gqa=self.options.pack_gqa,
+            sinks=sinks,
+        )
+        return out
+
+    def _check_layer(self, layer: LayerSpec, cache: KVCache) -> _Static:
+        """First forward of a (layer, layout): every reason it cannot run, else its arguments."""
+        layout = cache.layout
+        reasons = self.unsupported_reasons(layer, layout, cache.device)
+        if reasons:
+            raise UnsupportedConfigError("the fa3 backend cannot run this layer:", reasons)
+        wl = layer.window_left
+        # Non-causal windows are symmetric (DESIGN §2); FA3 takes the right edge separately.
+        window = (wl, 0 if layer.causal else wl) if wl >= 0 else (-1, -1)
+        st = _Static(
+            scale=layer.softmax_scale,
+            causal=layer.causal,
+            window=window,
+            softcap=float(layer.softcap or 0.0),
+            quantized=layout.is_quantized,
+            q_dtype=layout.storage_dtype,
+            page_size=layout.page_size,
+            key=(
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_dim,
+                layer.v_dim,
+                layer.causal,
+                window,
+                layer.has_softcap,
+                layout.storage_dtype,
+                layout.page_size,
+            ),
+        )
+        self._static[(layer, layout)] = st
+        return st
+
+    def _scheduler(
+        self, plan: Plan, meta: AttentionMetadata, layer: LayerSpec, st: _Static
+    ) -> torch.Tensor | None:
+        """FA3 scheduler metadata for this step and layer shape, computed once per plan.
+
+        A captured plan caches only while capturing (the computation is then part of the graph
+        and reruns on replay); eager calls on a captured plan recompute, because the static
+        buffers they read change between steps.
+        """
+        if not isinstance(plan, FA3Plan) or self._kernel.scheduler is None:
+            return None
+        capturing = plan.graph is not None and torch.cuda.is_current_stream_capturing()
+        cacheable = plan.graph is None or capturing
+        found = plan.scheduler.get(st.key) if cacheable else None
+        if found is not None:
+            return found
+        sched = self._kernel.scheduler(
+            meta.num_seqs, meta.max_query_len, meta.page_table.shape[1] * st.page_size,
+            layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim, st.q_dtype,
+            meta.seq_lens, meta.query_start_loc, None, None, None, None, st.page_size, 0,
+            st.causal, st.window[0], st.window[1], 0, st.softcap > 0,
+            self.options.num_splits, self.options.pack_gqa, 0,
+        )  # fmt: skip
+        if cacheable:
+            plan.scheduler[st.key] = sched
+        return sched
+
+
+def _fa3_reasons(
+    layer: LayerSpec | None, layout: KVCacheLayout | None, flags: dict[str, bool]
+) -> list[Reason]:
+    """What FA3 (or this build of it) refuses beyond the generic capabilities."""
+    reasons: list[Reason] = []
+    d = dv = None
+    if layer is not None:
+        d, dv = layer.head_dim, layer.v_dim
+    if layout is not None:
+        d, dv = layout.head_dim, layout.v_dim
+        if layout.is_quantized and layout.dtype != torch.bfloat16:
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "dtype",
+                    f"must be torch.bfloat16 with an fp8 KV cache (FA3 returns bf16 for fp8 "
+                    f"inputs), found {layout.dtype}",
+                )
+            )
+        if layout.is_quantized and (layout.head_dim % 16 or layout.v_dim % 16):
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "head_dim",
+                    f"must be a multiple of 16 with fp8 KV, found {layout.head_dim}/{layout.v_dim}",
+                )
+            )
+        if layout.dtype == torch.float16 and flags.get("FLASHATTENTION_DISABLE_FP16"):
+            reasons.append(Reason(_CFG, "dtype", "float16 is not compiled into this FA3 build"))
+        if layout.is_quantized and flags.get("FLASHATTENTION_DISABLE_FP8"):
+            reasons.append(Reason(_CFG, "kv_dtype", "fp8 is not compiled into this FA3 build"))
+    if d is not None and dv is not None and d != dv:
+        diff192 = 128 < d <= 192 and 96 < dv <= 128
+        diff64 = d <= 64 and dv <= 512
+        built = (diff192 and not flags.get("FLASH_ATTENTION_DISABLE_HDIMDIFF192")) or (
+            diff64 and not flags.get("FLASH_ATTENTION_DISABLE_HDIMDIFF64")
+        )
+        if not built:
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "v_head_dim",
+                    f"must equal head_dim={d}, or be in (96, 128] with head_dim in (128, 192] "
+                    f"(when compiled in), found {dv}",
+                )
+            )
+    if d is not None:
+        built_dims = [
+            h for h in (64, 96, 128, 192, 256) if not flags.get(f"FLASHATTENTION_DISABLE_HDIM{h}")
+        ]
+        if built_dims and max(d, dv or d) > max(built_dims):
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "head_dim",
+                    f"must be <= {max(built_dims)} in this FA3 build, found {max(d, dv or d)}",
+                )
+            )
+    if layer is not None:
+        if layer.has_softcap and flags.get("FLASHATTENTION_DISABLE_SOFTCAP"):
+            reasons.append(
+                Reason(_CFG, "softcap", "is not compiled into this FA3 build (DISABLE_SOFTCAP)")
+            )
+        if layer.sliding_window is not None and flags.get("FLASHATTENTION_DISABLE_LOCAL"):
+            reasons.append(
+                Reason(
+                    _CFG, "sliding_window", "is not compiled into this FA3 build (DISABLE_LOCAL)"
+                )
+            )
+    return reasons
