@@ -1,0 +1,393 @@
+"""``SGLangAdapter``: SGLang's ``ForwardBatch`` → ``AttentionMetadata``, its KV buffers → ``KVCache``.
+
+SGLang's conventions, which every method here relies on (docs/adapters/sglang.md has the table):
+
+- ``req_to_token[row, pos]`` is the KV slot of token ``pos`` of the request in pool row ``row``.
+  SGLang writes the slots of this step's new tokens there *before* the forward. Row 0 is a dummy
+  row (all zeros) that CUDA-graph padding rows point at.
+- slot = page * P + offset. Slots 0..P-1 (page 0) are the padding page: padded tokens write there.
+- The paged allocator hands out whole pages: the P slots of one page are contiguous and belong to
+  one request, so ``req_to_token[row, i*P + j] == req_to_token[row, i*P] + j`` and the page table
+  is ``req_to_token[rows, ::P] // P``. ``validate`` checks this for every position it uses.
+- ``seq_lens`` count the request's tokens after this step, except in TARGET_VERIFY, where they
+  exclude the ``spec_info.draft_token_num`` draft tokens (the query tokens, appended after them).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attnsdk import (
+    AttentionMetadata,
+    InvalidInputError,
+    InvalidMetadataError,
+    KVCache,
+    KVCacheLayout,
+    LayerSpec,
+    Reason,
+    ReasonKind,
+    UnsupportedConfigError,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+__all__ = ["Lengths", "SGLangAdapter", "StepKind", "step_kind"]
+
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class StepKind(enum.Enum):
+    """How a forward mode lays out its query tokens (SGLang has more modes than shapes)."""
+
+    DECODE = "decode"
+    """DECODE and IDLE: one new token per row (IDLE has no rows outside CUDA-graph padding)."""
+    EXTEND = "extend"
+    """EXTEND, MIXED, DRAFT_EXTEND: ``extend_seq_lens`` new tokens per row after a prefix."""
+    TARGET_VERIFY = "target_verify"
+    """A chain of ``spec_info.draft_token_num`` draft tokens per row, after ``seq_lens``."""
+
+
+def _is(mode: object, predicate: str) -> bool:
+    # Predicates differ between SGLang versions; a missing one means "not this mode".
+    fn = getattr(mode, predicate, None)
+    return bool(fn()) if callable(fn) else False
+
+
+def step_kind(mode: ForwardMode) -> StepKind:
+    """Classify a ``ForwardMode`` with SGLang's own predicates.
+
+    Order matters: SGLang's ``is_extend()`` is also true for TARGET_VERIFY and DRAFT_EXTEND.
+    Modes with other attention semantics (draft-extend v2, diffusion-LM extend, ...) raise.
+    """
+    if _is(mode, "is_idle") or _is(mode, "is_decode"):
+        return StepKind.DECODE
+    if _is(mode, "is_target_verify"):
+        return StepKind.TARGET_VERIFY
+    if not _is(mode, "is_dllm_extend") and (
+        _is(mode, "is_draft_extend") or _is(mode, "is_mixed") or _is(mode, "is_extend")
+    ):
+        return StepKind.EXTEND
+    expected = "DECODE, IDLE, EXTEND, MIXED, TARGET_VERIFY or DRAFT_EXTEND"
+    raise UnsupportedConfigError(
+        f"forward_batch.forward_mode: expected {expected}, found {mode!r}",
+        [Reason(ReasonKind.BATCH, "forward_mode", f"{mode!r} has no attnsdk mapping")],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """Per-sequence lengths and their host twin, so building metadata never syncs the device."""
+
+    device: torch.Tensor
+    """(B,) int32, on the device."""
+    host: torch.Tensor
+    """(B,) int32, on the CPU."""
+
+
+class SGLangAdapter:
+    """Turns SGLang batch objects into attnsdk metadata; subclass it and override a hook.
+
+    Hooks (each reads one thing from the ``ForwardBatch``): ``query_lens``, ``seq_lens``,
+    ``page_table``, ``slot_mapping`` and ``layer_spec``. ``build_metadata`` composes them.
+
+    >>> import torch
+    >>> req_to_token = torch.zeros(4, 64, dtype=torch.int32)
+    >>> adapter = SGLangAdapter(req_to_token=req_to_token, page_size=16)
+    >>> cache = adapter.kv_cache(torch.zeros(64, 2, 8), torch.zeros(64, 2, 8))
+    >>> tuple(cache.k.shape), cache.k.data_ptr() != 0
+    ((4, 16, 2, 8), True)
+    """
+
+    def __init__(self, *, req_to_token: torch.Tensor, page_size: int) -> None:
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise InvalidInputError("page_size", "a positive int", repr(page_size))
+        if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2:
+            found = tuple(req_to_token.shape) if isinstance(req_to_token, torch.Tensor) else None
+            raise InvalidInputError("req_to_token", "a 2-D tensor [rows, max_context_len]", found)
+        if req_to_token.is_floating_point():
+            raise InvalidInputError("req_to_token.dtype", "an integer dtype", req_to_token.dtype)
+        self.req_to_token = req_to_token
+        self.page_size = page_size
+        # The first slot of every page of every row: a view, so later writes show through.
+        self._page_starts = req_to_token[:, ::page_size]
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def query_lens(self, fb: ForwardBatch) -> Lengths:
+        """New tokens per row: 1 (decode), ``extend_seq_lens`` or ``spec_info.draft_token_num``."""
+        kind = step_kind(fb.forward_mode)
+        b = int(fb.batch_size)
+        device = fb.seq_lens.device
+        if kind is StepKind.EXTEND:
+            host = _host_ints("forward_batch.extend_seq_lens_cpu", fb.extend_seq_lens_cpu, b)
+            dev = _device_ints("forward_batch.extend_seq_lens", fb.extend_seq_lens, b)
+            return Lengths(dev, host)
+        if kind is StepKind.DECODE and fb.spec_info is not None and fb.forward_mode.is_decode():
+            raise UnsupportedConfigError(
+                "forward_batch.spec_info: expected None in DECODE, found "
+                f"{type(fb.spec_info).__name__} (EAGLE draft decode is not mapped)",
+                [Reason(ReasonKind.BATCH, "spec_info", "draft decode needs per-step offsets")],
+            )
+        n = draft_token_num(fb.spec_info) if kind is StepKind.TARGET_VERIFY else 1
+        return Lengths(
+            torch.full((b,), n, dtype=torch.int32, device=device),
+            torch.full((b,), n, dtype=torch.int32),
+        )
+
+    def seq_lens(self, fb: ForwardBatch) -> Lengths:
+        """KV length after this step: ``seq_lens`` (+ the drafts in TARGET_VERIFY)."""
+        b = int(fb.batch_size)
+        host = _host_ints("forward_batch.seq_lens_cpu", fb.seq_lens_cpu, b)
+        dev = _device_ints("forward_batch.seq_lens", fb.seq_lens, b)
+        if step_kind(fb.forward_mode) is StepKind.TARGET_VERIFY:
+            n = draft_token_num(fb.spec_info)
+            return Lengths(dev + n, host + n)
+        return Lengths(dev, host)
+
+    def page_table(self, fb: ForwardBatch, width: int) -> torch.Tensor:
+        """(B, width) int32: ``req_to_token[req_pool_indices, ::P][:, :width] // P``."""
+        starts = self._page_starts
+        if width > starts.shape[1]:
+            raise InvalidMetadataError(
+                "page_table",
+                f"at most {starts.shape[1]} pages per row (req_to_token has "
+                f"{self.req_to_token.shape[1]} columns at page_size {self.page_size})",
+                width,
+            )
+        rows = starts[:, :width].index_select(0, fb.req_pool_indices)
+        if self.page_size > 1:
+            rows = rows // self.page_size
+        return rows.to(torch.int32)
+
+    def slot_mapping(self, fb: ForwardBatch) -> torch.Tensor:
+        """(T,) int64: ``out_cache_loc``, the slot SGLang allocated for each new token."""
+        return fb.out_cache_loc.to(torch.int64)
+
+    def layer_spec(self, layer: RadixAttention, *, has_sinks: bool = False) -> LayerSpec:
+        """A ``LayerSpec`` from a RadixAttention-like layer (SGLang's window is W - 1)."""
+        return radix_layer_spec(layer, has_sinks=has_sinks)
+
+    # -- composition ------------------------------------------------------------------------
+
+    def build_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
+        """The step's ``AttentionMetadata``; host-only checks, no device sync."""
+        q = self.query_lens(fb)
+        s = self.seq_lens(fb)
+        bad = q.host > s.host
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0])
+            raise InvalidMetadataError(
+                f"forward_batch.seq_lens[{b}]",
+                f">= its {int(q.host[b])} new tokens (seq_lens count cached + new tokens)",
+                int(s.host[b]),
+            )
+        self._check_prefix(fb, q, s)
+        max_seq = int(s.host.max()) if s.host.numel() else 0
+        width = -(-max_seq // self.page_size)
+        slots = self.slot_mapping(fb)
+        num_tokens = int(q.host.sum())
+        if slots.shape[0] != num_tokens:
+            raise InvalidMetadataError(
+                "forward_batch.out_cache_loc",
+                f"one slot per new token ({num_tokens})",
+                f"{slots.shape[0]} slots",
+            )
+        b = q.host.shape[0]
+        qsl = torch.zeros(b + 1, dtype=torch.int32, device=q.device.device)
+        torch.cumsum(q.device, 0, dtype=torch.int32, out=qsl[1:])
+        qsl_cpu = torch.zeros(b + 1, dtype=torch.int32)
+        torch.cumsum(q.host, 0, dtype=torch.int32, out=qsl_cpu[1:])
+        return AttentionMetadata.from_tensors(
+            query_start_loc=qsl,
+            seq_lens=s.device,
+            page_table=self.page_table(fb, width),
+            slot_mapping=slots,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=s.host,
+            max_seq_len=max_seq,
+        )
+
+    def kv_cache(
+        self, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """One layer's SGLang buffers ``[slots, Hkv, D|Dv]`` as ``[slots/P, P, Hkv, D|Dv]`` views.
+
+        No copy: K/V written through the returned cache land in SGLang's buffers. ``dtype`` is
+        the compute dtype (q/k/v); it defaults to the buffers' dtype and is required for fp8.
+        """
+        for name, buf in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+            if not isinstance(buf, torch.Tensor) or buf.dim() != 3:
+                found = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
+                raise InvalidInputError(f"{name}.shape", "(slots, Hkv, head_dim)", found)
+            if buf.shape[0] % self.page_size:
+                raise InvalidInputError(
+                    f"{name}.shape[0]",
+                    f"a multiple of page_size={self.page_size} (SGLang allocates whole pages)",
+                    buf.shape[0],
+                )
+        if dtype is None:
+            if k_buffer.dtype not in _COMPUTE_DTYPES:
+                raise InvalidInputError(
+                    "dtype", f"the compute dtype for a {k_buffer.dtype} cache", None
+                )
+            dtype = k_buffer.dtype
+        layout = KVCacheLayout(
+            num_kv_heads=k_buffer.shape[1],
+            head_dim=k_buffer.shape[2],
+            page_size=self.page_size,
+            dtype=dtype,
+            v_head_dim=v_buffer.shape[2],
+            kv_dtype=k_buffer.dtype,
+        )
+        pages = k_buffer.shape[0] // self.page_size
+        # unflatten of one dim is always a view, whatever the buffer's strides.
+        return layout.wrap(
+            k_buffer.unflatten(0, (pages, self.page_size)),
+            v_buffer.unflatten(0, (v_buffer.shape[0] // self.page_size, self.page_size)),
+        )
+
+    def validate(self, fb: ForwardBatch, cache: KVCache) -> AttentionMetadata:
+        """``build_metadata`` plus every check that may sync; raises ``InvalidMetadataError``.
+
+        Beyond ``AttentionMetadata.validate`` (each new token's slot is where the page table puts
+        its position), it checks SGLang's paging invariant for every position each row reads
+        (``req_to_token[row, pos] == page_table[b, pos // P] * P + pos % P``) and that each page
+        written this step receives tokens of one request only.
+        """
+        meta = self.build_metadata(fb).validate(cache)
+        p = self.page_size
+        rows = fb.req_pool_indices.to("cpu", torch.long)
+        table = meta.page_table.to("cpu", torch.long)
+        r2t = self.req_to_token.to("cpu", torch.long)
+        for b, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
+            pos = torch.arange(seq_len)
+            found = r2t[rows[b], :seq_len]
+            expected = table[b, pos // p] * p + pos % p
+            wrong = torch.nonzero(found != expected)
+            if wrong.numel():
+                j = int(wrong[0])
+                raise InvalidMetadataError(
+                    f"req_to_token[{int(rows[b])}, {j}]",
+                    f"{int(expected[j])} = page {int(table[b, j // p])} * {p} + {j % p} "
+                    f"(row {b} of the batch)",
+                    int(found[j]),
+                    "SGLang's pages hold P contiguous slots of one request",
+                )
+        slots = meta.slot_mapping[: meta.num_tokens].to("cpu")
+        owner = torch.repeat_interleave(torch.arange(meta.num_seqs), meta.query_lens_cpu.long())
+        keep = slots >= p  # page 0 is the padding page, shared by design
+        pairs = torch.unique(torch.stack([slots[keep] // p, owner[keep]], 1), dim=0)
+        shared = pairs[1:, 0] == pairs[:-1, 0]
+        if bool(shared.any()):
+            i = int(torch.nonzero(shared)[0])
+            raise InvalidMetadataError(
+                "forward_batch.out_cache_loc",
+                f"page {int(pairs[i, 0])} written by one request",
+                f"rows {int(pairs[i, 1])} and {int(pairs[i + 1, 1])} of the batch",
+            )
+        return meta
+
+    def _check_prefix(self, fb: ForwardBatch, q: Lengths, s: Lengths) -> None:
+        # SGLang's extend batches also carry the prefix lengths: a cheap host cross-check.
+        if step_kind(fb.forward_mode) is not StepKind.EXTEND:
+            return
+        prefix = getattr(fb, "extend_prefix_lens_cpu", None)
+        if prefix is None:
+            return
+        found = _host_ints("forward_batch.extend_prefix_lens_cpu", prefix, q.host.shape[0])
+        wrong = torch.nonzero(found != s.host - q.host)
+        if wrong.numel():
+            b = int(wrong[0])
+            raise InvalidMetadataError(
+                f"forward_batch.extend_prefix_lens_cpu[{b}]",
+                f"seq_lens - extend_seq_lens = {int(s.host[b] - q.host[b])}",
+                int(found[b]),
+            )
+
+
+def draft_token_num(spec_info: Any) -> int:
+    """Draft tokens per row of a TARGET_VERIFY batch; only chains (topk 1) are supported."""
+    if spec_info is None:
+        raise InvalidMetadataError(
+            "forward_batch.spec_info", "an EagleVerifyInput-like object in TARGET_VERIFY", None
+        )
+    topk = getattr(spec_info, "topk", 1)
+    if topk is not None and int(topk) > 1:
+        raise UnsupportedConfigError(
+            f"forward_batch.spec_info.topk: expected 1 (a draft chain), found {topk}",
+            [Reason(ReasonKind.BATCH, "spec_info.topk", "tree verify needs a tree mask")],
+        )
+    n = getattr(spec_info, "draft_token_num", None)
+    if not isinstance(n, int) or n <= 0:
+        raise InvalidMetadataError("forward_batch.spec_info.draft_token_num", "an int > 0", n)
+    return n
+
+
+def radix_layer_spec(layer: RadixAttention, *, has_sinks: bool = False) -> LayerSpec:
+    """``LayerSpec`` of a RadixAttention-like layer; raises for semantics attnsdk lacks."""
+    layer_id = getattr(layer, "layer_id", "?")
+    if getattr(layer, "is_cross_attention", False):
+        raise UnsupportedConfigError(
+            f"layer {layer_id}.is_cross_attention: expected False, found True",
+            [Reason(ReasonKind.CONFIGURATION, "is_cross_attention", "encoder KV is not mapped")],
+        )
+    attn_type = getattr(layer, "attn_type", "decoder")
+    attn_type = str(getattr(attn_type, "value", attn_type)).lower()
+    if attn_type not in ("decoder", "encoder_only"):
+        raise UnsupportedConfigError(
+            f"layer {layer_id}.attn_type: expected decoder or encoder_only, found {attn_type}",
+            [Reason(ReasonKind.CONFIGURATION, "attn_type", f"{attn_type} needs a custom mask")],
+        )
+    method = getattr(layer, "logit_capping_method", "tanh")
+    cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
+    if cap > 0 and method != "tanh":
+        raise UnsupportedConfigError(
+            f"layer {layer_id}.logit_capping_method: expected 'tanh', found {method!r}",
+            [Reason(ReasonKind.CONFIGURATION, "logit_capping_method", "only tanh softcap")],
+        )
+    window = getattr(layer, "sliding_window_size", -1)
+    v_dim = getattr(layer, "v_head_dim", -1)
+    return LayerSpec(
+        num_heads=int(layer.tp_q_head_num),
+        num_kv_heads=int(layer.tp_k_head_num),
+        head_dim=int(layer.head_dim),
+        v_head_dim=None if v_dim is None or v_dim < 0 else int(v_dim),
+        scale=float(layer.scaling),
+        causal=attn_type == "decoder",
+        # SGLang stores W - 1 (FlashAttention's left window); -1 or None means no window.
+        sliding_window=None if window is None or window < 0 else int(window) + 1,
+        softcap=cap if cap > 0 else None,
+        has_sinks=has_sinks,
+    )
+
+
+def _host_ints(field: str, values: object, batch_size: int) -> torch.Tensor:
+    if values is None:
+        raise InvalidMetadataError(
+            field, f"{batch_size} host ints (SGLang fills it; attnsdk never syncs for it)", None
+        )
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise InvalidMetadataError(f"{field}.device", "cpu", values.device)
+        t = values.to(torch.int32)
+    else:
+        t = torch.tensor(list(values), dtype=torch.int32)  # type: ignore[call-overload]
+    if tuple(t.shape) != (batch_size,):
+        raise InvalidMetadataError(field, f"shape ({batch_size},) (batch_size)", tuple(t.shape))
+    return t
+
+
+def _device_ints(field: str, values: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+    if not isinstance(values, torch.Tensor):
+        raise InvalidMetadataError(field, f"a ({batch_size},) tensor", type(values).__name__)
+    if tuple(values.shape) != (batch_size,):
+        raise InvalidMetadataError(
+            field, f"shape ({batch_size},) (batch_size)", tuple(values.shape)
+        )
+    return values.to(torch.int32)

@@ -1,0 +1,478 @@
+"""Test doubles of SGLang's batch objects, built from an ``attnsdk.testing.BatchSpec``.
+
+They carry SGLang's attribute names and conventions, so adapter code that passes here reads a
+real ``ForwardBatch`` the same way: req_to_token row 0 is the dummy row, page 0 the padding page,
+pages hold contiguous slots of one request, CUDA-graph padding rows have seq_len 1 and write
+slot 0. ``MockCudaGraphRunner`` pads batches like SGLang's ``CudaGraphRunner`` (without graphs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attnsdk import InvalidInputError
+from attnsdk.adapters.sglang._backend import SEQ_LEN_FILL_VALUE
+from attnsdk.testing import PageOrder, assign_pages
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from attnsdk import LayerSpec
+    from attnsdk.adapters.sglang._backend import SGLangAttentionBackend
+    from attnsdk.testing import BatchSpec
+
+__all__ = [
+    "AttentionType",
+    "ForwardMode",
+    "MockCudaGraphRunner",
+    "MockForwardBatch",
+    "MockKVPool",
+    "MockModelConfig",
+    "MockModelRunner",
+    "MockRadixAttention",
+    "MockReqToTokenPool",
+    "SGLangBatch",
+    "VerifyInput",
+    "make_sglang_batch",
+]
+
+
+class ForwardMode(enum.IntEnum):
+    """SGLang's ``ForwardMode`` members and predicates (forward_batch_info.py)."""
+
+    EXTEND = enum.auto()
+    DECODE = enum.auto()
+    MIXED = enum.auto()
+    IDLE = enum.auto()
+    TARGET_VERIFY = enum.auto()
+    DRAFT_EXTEND = enum.auto()
+
+    def is_extend(self) -> bool:
+        # As in SGLang: true for every mode whose rows carry several new tokens.
+        return self in (self.EXTEND, self.MIXED, self.DRAFT_EXTEND, self.TARGET_VERIFY)
+
+    def is_decode(self) -> bool:
+        return self is self.DECODE
+
+    def is_mixed(self) -> bool:
+        return self is self.MIXED
+
+    def is_idle(self) -> bool:
+        return self is self.IDLE
+
+    def is_target_verify(self) -> bool:
+        return self is self.TARGET_VERIFY
+
+    def is_draft_extend(self) -> bool:
+        return self is self.DRAFT_EXTEND
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (self.DECODE, self.IDLE)
+
+    def is_extend_or_draft_extend_or_mixed(self) -> bool:
+        return self in (self.EXTEND, self.DRAFT_EXTEND, self.MIXED)
+
+    def is_cuda_graph(self) -> bool:
+        return self in (self.DECODE, self.TARGET_VERIFY, self.IDLE)
+
+
+class AttentionType(str, enum.Enum):
+    """SGLang's ``radix_attention.AttentionType``."""
+
+    DECODER = "decoder"
+    DECODER_BIDIRECTIONAL = "decoder_bidirectional"
+    ENCODER_ONLY = "encoder_only"
+
+
+@dataclass(frozen=True, slots=True)
+class MockRadixAttention:
+    """The attributes SGLang backends read from a ``RadixAttention`` layer."""
+
+    tp_q_head_num: int
+    tp_k_head_num: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+    layer_id: int = 0
+    logit_cap: float = 0.0
+    sliding_window_size: int = -1
+    """SGLang's convention: W - 1 (FlashAttention's left window); -1 = none."""
+    is_cross_attention: bool = False
+    attn_type: AttentionType = AttentionType.DECODER
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def from_layer_spec(cls, spec: LayerSpec, layer_id: int = 0) -> MockRadixAttention:
+        """The RadixAttention SGLang would build for ``spec`` (window W becomes W - 1)."""
+        return cls(
+            tp_q_head_num=spec.num_heads,
+            tp_k_head_num=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            v_head_dim=spec.v_dim,
+            scaling=spec.softmax_scale,
+            layer_id=layer_id,
+            logit_cap=float(spec.softcap or 0.0),
+            sliding_window_size=-1 if spec.sliding_window is None else spec.sliding_window - 1,
+            attn_type=AttentionType.DECODER if spec.causal else AttentionType.ENCODER_ONLY,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyInput:
+    """The ``EagleVerifyInput`` fields a chain verify reads."""
+
+    draft_token_num: int
+    topk: int = 1
+
+
+class MockKVPool:
+    """``MHATokenToKVPool``: per-layer K/V buffers ``[slots, Hkv, D]``; slots 0..P-1 = padding."""
+
+    def __init__(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor]) -> None:
+        self.k_buffer = k_buffer
+        self.v_buffer = v_buffer
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(
+        self,
+        layer: Any,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        for buf, new, scale in (
+            (self.k_buffer[layer.layer_id], cache_k, k_scale),
+            (self.v_buffer[layer.layer_id], cache_v, v_scale),
+        ):
+            new = new.reshape(loc.shape[0], *buf.shape[1:])
+            if new.dtype != buf.dtype and scale is not None:
+                new = new.float() / scale
+            buf[loc.long()] = new.to(buf.dtype)
+
+    def clone(self) -> MockKVPool:
+        return MockKVPool([k.clone() for k in self.k_buffer], [v.clone() for v in self.v_buffer])
+
+
+@dataclass(frozen=True, slots=True)
+class MockReqToTokenPool:
+    req_to_token: torch.Tensor
+    """(rows, context_len) int32: row 0 is SGLang's dummy row (zeros)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MockModelConfig:
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    context_len: int
+
+    def get_num_kv_heads(self, tensor_parallel_size: int) -> int:
+        return max(1, self.num_key_value_heads // tensor_parallel_size)
+
+
+@dataclass(frozen=True, slots=True)
+class MockModelRunner:
+    """The ``ModelRunner`` attributes an attention backend reads."""
+
+    model_config: MockModelConfig
+    req_to_token_pool: MockReqToTokenPool
+    token_to_kv_pool: MockKVPool
+    page_size: int
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    tp_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class MockForwardBatch:
+    """The ``ForwardBatch`` fields attention backends read (SGLang's names and dtypes)."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    seq_lens_sum: int
+    out_cache_loc: torch.Tensor
+    req_to_token_pool: MockReqToTokenPool
+    token_to_kv_pool: MockKVPool
+    extend_seq_lens: torch.Tensor | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    spec_info: Any = None
+    encoder_lens: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangBatch:
+    """A mock SGLang step: runner, forward batch, and one layer's q/k/v as SGLang passes them."""
+
+    spec: BatchSpec
+    layer: MockRadixAttention
+    model_runner: MockModelRunner
+    forward_batch: MockForwardBatch
+    q: torch.Tensor
+    """(T, Hq * D) in the model dtype."""
+    k: torch.Tensor
+    """(T, Hkv * D): this step's new keys, written at ``out_cache_loc``."""
+    v: torch.Tensor
+    """(T, Hkv * Dv)."""
+    real_tokens: torch.Tensor
+    """(T,) bool on the CPU: False for tokens of CUDA-graph padding rows."""
+
+    def clone(self) -> SGLangBatch:
+        """The same step over copies of the KV buffers, so several runs start from one state."""
+        pool = self.model_runner.token_to_kv_pool.clone()
+        runner = dataclasses.replace(self.model_runner, token_to_kv_pool=pool)
+        fb = dataclasses.replace(self.forward_batch, token_to_kv_pool=pool)
+        return dataclasses.replace(self, model_runner=runner, forward_batch=fb)
+
+    def first_rows(self, n: int) -> SGLangBatch:
+        """The step of the first ``n`` rows only, on the same pools (a smaller later batch)."""
+        t = sum(self.spec.query_lens[:n])
+        spec = self.spec
+        sub = type(spec)(spec.query_lens[:n], spec.seq_lens[:n], spec.name, spec.padded[:n])
+        fb = self.forward_batch
+
+        def cut(x: Any, size: int) -> Any:
+            return None if x is None else x[:size]
+
+        fb = dataclasses.replace(
+            fb,
+            batch_size=n,
+            req_pool_indices=fb.req_pool_indices[:n],
+            seq_lens=fb.seq_lens[:n],
+            seq_lens_cpu=fb.seq_lens_cpu[:n],
+            seq_lens_sum=int(fb.seq_lens_cpu[:n].sum()),
+            out_cache_loc=fb.out_cache_loc[:t],
+            extend_seq_lens=cut(fb.extend_seq_lens, n),
+            extend_seq_lens_cpu=cut(fb.extend_seq_lens_cpu, n),
+            extend_prefix_lens=cut(fb.extend_prefix_lens, n),
+            extend_prefix_lens_cpu=cut(fb.extend_prefix_lens_cpu, n),
+        )
+        return dataclasses.replace(
+            self,
+            spec=sub,
+            forward_batch=fb,
+            q=self.q[:t],
+            k=self.k[:t],
+            v=self.v[:t],
+            real_tokens=self.real_tokens[:t],
+        )
+
+
+def make_sglang_batch(
+    spec: BatchSpec,
+    layer: LayerSpec,
+    mode: ForwardMode,
+    *,
+    page_size: int,
+    dtype: torch.dtype = torch.float32,
+    pages: PageOrder = "shuffled",
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    spare_pages: int = 3,
+) -> SGLangBatch:
+    """A mock SGLang step for ``spec`` in ``mode``; the KV buffers hold random context.
+
+    TARGET_VERIFY needs equal query lengths (the draft count); its ``seq_lens`` exclude them.
+    Rows flagged ``spec.padded`` become SGLang's graph padding rows (req row 0, seq_len 1,
+    slot 0), allowed in DECODE, IDLE and TARGET_VERIFY.
+    """
+    _check_spec(spec, mode)
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    p = page_size
+    b = spec.num_seqs
+    verify = mode is ForwardMode.TARGET_VERIFY
+    drafts = spec.query_lens[0] if verify and b else 0
+    real = [not pad for pad in spec.padded]
+    pages_per_seq = [-(-s // p) if r else 0 for s, r in zip(spec.seq_lens, real)]
+    num_pages = sum(pages_per_seq) + 1 + spare_pages
+    assigned = assign_pages(pages_per_seq, num_pages, pages, gen)
+    context_len = (max([1, *spec.seq_lens]) // p + 2) * p
+    # Row 0 is SGLang's dummy row; real requests take shuffled rows after it.
+    rows = (torch.randperm(b + 2, generator=gen) + 1).tolist()[:b]
+    req_to_token = torch.zeros(b + 3, context_len, dtype=torch.int32)
+    out_cache_loc, rpi, seq_lens = [], [], []
+    for i in range(b):
+        q_len, s_len = spec.query_lens[i], spec.seq_lens[i]
+        if not real[i]:
+            rpi.append(0)
+            seq_lens.append(SEQ_LEN_FILL_VALUE)
+            out_cache_loc += [0] * q_len
+            continue
+        pos = torch.arange(s_len)
+        page_ids = torch.tensor(assigned[i], dtype=torch.int64)
+        req_to_token[rows[i], :s_len] = (page_ids[pos // p] * p + pos % p).to(torch.int32)
+        rpi.append(rows[i])
+        seq_lens.append(s_len - drafts)
+        out_cache_loc += req_to_token[rows[i], s_len - q_len : s_len].tolist()
+    hq, hkv, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim
+    slots = num_pages * p
+    k_buf = torch.randn(slots, hkv, d, generator=gen).to(dev, dtype)
+    v_buf = torch.randn(slots, hkv, dv, generator=gen).to(dev, dtype)
+    pool = MockKVPool([k_buf], [v_buf])
+    r2t_pool = MockReqToTokenPool(req_to_token.to(dev))
+    runner = MockModelRunner(
+        model_config=MockModelConfig(hq, hkv, d, context_len),
+        req_to_token_pool=r2t_pool,
+        token_to_kv_pool=pool,
+        page_size=p,
+        device=dev,
+        dtype=dtype,
+        kv_cache_dtype=dtype,
+    )
+    extend = mode.is_extend_or_draft_extend_or_mixed()
+    prefix = list(spec.context_lens)
+    fb = MockForwardBatch(
+        forward_mode=mode,
+        batch_size=b,
+        req_pool_indices=torch.tensor(rpi, dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
+        seq_lens_sum=sum(seq_lens),
+        out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.int64, device=dev),
+        req_to_token_pool=r2t_pool,
+        token_to_kv_pool=pool,
+        extend_seq_lens=(
+            torch.tensor(spec.query_lens, dtype=torch.int32, device=dev) if extend else None
+        ),
+        extend_seq_lens_cpu=list(spec.query_lens) if extend else None,
+        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=dev) if extend else None,
+        extend_prefix_lens_cpu=prefix if extend else None,
+        spec_info=VerifyInput(drafts) if verify else None,
+    )
+    t = spec.num_tokens
+    return SGLangBatch(
+        spec=spec,
+        layer=MockRadixAttention.from_layer_spec(layer),
+        model_runner=runner,
+        forward_batch=fb,
+        q=torch.randn(t, hq * d, generator=gen).to(dev, dtype),
+        k=torch.randn(t, hkv * d, generator=gen).to(dev, dtype),
+        v=torch.randn(t, hkv * dv, generator=gen).to(dev, dtype),
+        real_tokens=torch.repeat_interleave(
+            torch.tensor(real, dtype=torch.bool), torch.tensor(spec.query_lens, dtype=torch.int64)
+        ),
+    )
+
+
+def _check_spec(spec: BatchSpec, mode: ForwardMode) -> None:
+    q = set(spec.query_lens)
+    if mode.is_idle() and spec.num_seqs and not all(spec.padded):
+        raise InvalidInputError("spec", "no real rows in IDLE (only graph padding)", spec.name)
+    if mode.is_decode_or_idle() and q - {1}:
+        raise InvalidInputError("spec.query_lens", "all 1 in DECODE", sorted(q))
+    if mode.is_target_verify() and len(q) > 1:
+        raise InvalidInputError("spec.query_lens", "one draft count in TARGET_VERIFY", sorted(q))
+    if mode.is_extend_or_draft_extend_or_mixed() and any(spec.padded):
+        raise InvalidInputError("spec.padded", f"no padding rows in {mode.name}", spec.padded)
+
+
+class MockCudaGraphRunner:
+    """SGLang's ``CudaGraphRunner`` input handling, minus the graphs.
+
+    Static inputs are sized for the largest captured batch; ``replay_prepare`` pads a batch up
+    to the next captured size (padding rows: seq_len 1, slot 0, and whatever req row the static
+    buffer last held, as SGLang leaves it) and calls the backend's replay hook. The returned
+    ``MockForwardBatch`` views the static buffers, like the batch a captured graph reads.
+    """
+
+    def __init__(
+        self,
+        backend: SGLangAttentionBackend,
+        model_runner: MockModelRunner,
+        capture_bs: Sequence[int],
+        mode: ForwardMode = ForwardMode.DECODE,
+        spec_info: VerifyInput | None = None,
+    ) -> None:
+        self.backend, self.model_runner, self.mode = backend, model_runner, mode
+        self.spec_info = spec_info
+        self.capture_bs = sorted(capture_bs)
+        self.per_row = spec_info.draft_token_num if mode.is_target_verify() and spec_info else 1
+        max_bs = self.capture_bs[-1]
+        dev = model_runner.device
+        fill = backend.get_cuda_graph_seq_len_fill_value()
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.full((max_bs,), fill, dtype=torch.int32, device=dev)
+        self.seq_lens_cpu = torch.full((max_bs,), fill, dtype=torch.int32)
+        self.out_cache_loc = torch.zeros(max_bs * self.per_row, dtype=torch.int64, device=dev)
+        backend.init_cuda_graph_state(max_bs, max_bs * self.per_row)
+        for bs in self.capture_bs:
+            backend.init_forward_metadata_capture_cuda_graph(
+                bs,
+                bs * self.per_row,
+                self.req_pool_indices[:bs],
+                self.seq_lens[:bs],
+                None,
+                mode,
+                spec_info,
+            )
+
+    def static_batch(self, bs: int) -> MockForwardBatch:
+        """The forward batch a graph captured for ``bs`` rows reads (views of static buffers)."""
+        pools = self.model_runner
+        return MockForwardBatch(
+            forward_mode=self.mode,
+            batch_size=bs,
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=self.seq_lens_cpu[:bs],
+            seq_lens_sum=int(self.seq_lens_cpu[:bs].sum()),
+            out_cache_loc=self.out_cache_loc[: bs * self.per_row],
+            req_to_token_pool=pools.req_to_token_pool,
+            token_to_kv_pool=pools.token_to_kv_pool,
+            spec_info=self.spec_info,
+        )
+
+    def replay_prepare(self, fb: MockForwardBatch) -> MockForwardBatch:
+        """Copy ``fb`` into the static inputs, pad to a captured size, run the replay hook."""
+        raw = fb.batch_size
+        bs = next((c for c in self.capture_bs if c >= raw), None)
+        if bs is None:
+            raise InvalidInputError("batch_size", f"<= {self.capture_bs[-1]} (captured)", raw)
+        fill = self.backend.get_cuda_graph_seq_len_fill_value()
+        if bs != raw:
+            self.seq_lens.fill_(fill)
+            self.seq_lens_cpu.fill_(fill)
+            self.out_cache_loc.zero_()
+        self.req_pool_indices[:raw].copy_(fb.req_pool_indices)
+        self.seq_lens[:raw].copy_(fb.seq_lens)
+        self.seq_lens_cpu[:raw].copy_(fb.seq_lens_cpu)
+        self.out_cache_loc[: fb.out_cache_loc.shape[0]].copy_(fb.out_cache_loc)
+        self.backend.init_forward_metadata_replay_cuda_graph(
+            bs,
+            self.req_pool_indices,
+            self.seq_lens,
+            fb.seq_lens_sum + (bs - raw) * fill,
+            None,
+            self.mode,
+            self.spec_info,
+            self.seq_lens_cpu,
+        )
+        return self.static_batch(bs)
+
+    def pad_tokens(self, x: torch.Tensor, bs: int) -> torch.Tensor:
+        """``x`` (real tokens first) padded with zero rows to the ``bs * per_row`` graph rows."""
+        out = x.new_zeros(bs * self.per_row, *x.shape[1:])
+        out[: x.shape[0]] = x
+        return out

@@ -1,0 +1,203 @@
+"""The drop-in SGLang backend on the reference backend, against an independent float64 oracle.
+
+Every forward mode, page sizes 1/16/32 at page edges, GQA and MQA, SGLang's window convention,
+softcap, encoder-only layers, sinks; outputs and the layer's KV buffers are both checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from sglang_dense import expected_step
+
+from attnsdk import (
+    AttentionConfig,
+    InvalidInputError,
+    LayerSpec,
+    UnsupportedConfigError,
+    create_backend,
+)
+from attnsdk.adapters.sglang import SGLangAttentionBackend
+from attnsdk.adapters.sglang.testing import ForwardMode, MockRadixAttention, make_sglang_batch
+from attnsdk.testing import BatchSpec, tolerance
+
+M = ForwardMode
+
+# (name, mode, query_lens, seq_lens): page-edge shapes. TARGET_VERIFY seq_lens include the drafts.
+CASES = [
+    ("decode@14/15/16", M.DECODE, (1, 1, 1), (15, 16, 17)),
+    ("extend2@15", M.EXTEND, (2,), (17,)),
+    ("prefill15/16/17", M.EXTEND, (15, 16, 17), (15, 16, 17)),
+    ("ragged0/8/16+15/8/1", M.EXTEND, (15, 8, 1), (15, 16, 17)),
+    ("mixed", M.MIXED, (1, 15, 2, 1), (16, 15, 17, 33)),
+    ("verify4@14/15/16", M.TARGET_VERIFY, (4, 4, 4), (18, 19, 20)),
+    ("draft_extend", M.DRAFT_EXTEND, (2, 4, 1), (17, 32, 16)),
+    ("idle", M.IDLE, (), ()),
+]
+HEADS = {"gqa": (4, 2), "mqa": (4, 1)}
+ORDERS = ("contiguous", "shuffled", "interleaved")
+
+
+def run(batch, backend="reference", *, save_kv_cache=True, sinks=None, k=..., v=...):
+    """What SGLang does per step: init_forward_metadata once, then forward for the layer."""
+    dropin = SGLangAttentionBackend(batch.model_runner, backend)
+    fb = batch.forward_batch
+    dropin.init_forward_metadata(fb)
+    k = batch.k if k is ... else k
+    v = batch.v if v is ... else v
+    return dropin.forward(batch.q, k, v, batch.layer, fb, save_kv_cache, sinks=sinks)
+
+
+def check(batch, layer, out, *, expected):
+    """``out`` and the layer's buffers after the step equal the oracle's (taken before it)."""
+    exp = expected
+    real = batch.real_tokens
+    assert out.shape == (batch.q.shape[0], layer.num_heads * layer.v_dim)
+    assert out.dtype == batch.q.dtype
+    atol, rtol = tolerance(batch.q.dtype)
+    torch.testing.assert_close(out[real].double(), exp.out[real], atol=atol, rtol=rtol)
+    pool = batch.forward_batch.token_to_kv_pool
+    assert torch.equal(pool.k_buffer[0], exp.k_buffer), "K buffer differs from the oracle"
+    assert torch.equal(pool.v_buffer[0], exp.v_buffer), "V buffer differs from the oracle"
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 32])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize(("name", "mode", "q", "s"), CASES, ids=[c[0] for c in CASES])
+def test_every_mode_matches_oracle(name, mode, q, s, heads, page_size):
+    hq, hkv = HEADS[heads]
+    layer = LayerSpec(num_heads=hq, num_kv_heads=hkv, head_dim=16)
+    order = ORDERS[(len(name) + page_size) % 3]
+    batch = make_sglang_batch(BatchSpec(q, s), layer, mode, page_size=page_size, pages=order)
+    expected = expected_step(batch, layer)
+    out = run(batch)
+    check(batch, layer, out, expected=expected)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("name", "mode", "q", "s"), CASES[:6], ids=[c[0] for c in CASES[:6]])
+def test_sliding_window_in_sglang_convention(name, mode, q, s, page_size):
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=5)
+    batch = make_sglang_batch(BatchSpec(q, s), layer, mode, page_size=page_size, seed=3)
+    # SGLang stores W - 1, FlashAttention's left window; the adapter must add the 1 back.
+    assert batch.layer.sliding_window_size == 4
+    expected = expected_step(batch, layer)
+    check(batch, layer, run(batch), expected=expected)
+
+
+def test_window_off_in_sglang_is_minus_one():
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((3,), (40,)), layer, M.EXTEND, page_size=16)
+    assert batch.layer.sliding_window_size == -1
+    windowed = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=3)
+    with_window = expected_step(batch, windowed).out
+    expected = expected_step(batch, layer)
+    out = run(batch)
+    assert not torch.allclose(out.double(), with_window, atol=1e-3)
+    check(batch, layer, out, expected=expected)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, softcap=2.0),
+        LayerSpec(num_heads=4, num_kv_heads=1, head_dim=16, v_head_dim=8, scale=0.5),
+        LayerSpec(num_heads=2, num_kv_heads=2, head_dim=16, causal=False),
+        LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16, causal=False, sliding_window=4),
+    ],
+    ids=["softcap", "mqa-dv8-scale", "encoder-only", "encoder-only-window"],
+)
+def test_layer_semantics(layer):
+    batch = make_sglang_batch(BatchSpec((15, 8, 1), (15, 16, 17)), layer, M.EXTEND, page_size=16)
+    expected = expected_step(batch, layer)
+    check(batch, layer, run(batch), expected=expected)
+
+
+def test_sinks_pass_through():
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, has_sinks=True)
+    batch = make_sglang_batch(BatchSpec((1, 1), (16, 33)), layer, M.DECODE, page_size=16)
+    sinks = torch.randn(4)
+    expected = expected_step(batch, layer, sinks=sinks)
+    check(batch, layer, run(batch, sinks=sinks), expected=expected)
+
+
+def test_bf16_decode_within_dtype_tolerance():
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+    spec = BatchSpec((1, 1, 1), (15, 16, 17))
+    batch = make_sglang_batch(spec, layer, M.DECODE, page_size=16, dtype=torch.bfloat16)
+    expected = expected_step(batch, layer)
+    check(batch, layer, run(batch), expected=expected)
+
+
+@pytest.mark.parametrize("how", ["save_kv_cache=False", "k=v=None"])
+def test_no_kv_write(how):
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((2, 1), (17, 16)), layer, M.EXTEND, page_size=16)
+    expected = expected_step(batch, layer, write=False)
+    out = run(batch, k=None, v=None) if how == "k=v=None" else run(batch, save_kv_cache=False)
+    check(batch, layer, out, expected=expected)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "reference",
+        AttentionConfig(backend="reference"),
+        create_backend("reference"),
+        "auto",
+    ],
+    ids=["name", "config", "instance", "auto"],
+)
+def test_backend_argument_forms(backend):
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (20,)), layer, M.DECODE, page_size=16)
+    expected = expected_step(batch, layer)
+    check(batch, layer, run(batch, backend), expected=expected)
+
+
+def test_bad_backend_argument():
+    batch = make_sglang_batch(BatchSpec((1,), (2,)), LayerSpec(2, 1, 16), M.DECODE, page_size=1)
+    with pytest.raises(InvalidInputError, match="backend"):
+        SGLangAttentionBackend(batch.model_runner, 3)  # type: ignore[arg-type]
+
+
+def test_unservable_model_fails_at_construction():
+    batch = make_sglang_batch(BatchSpec((1,), (2,)), LayerSpec(2, 1, 16), M.DECODE, page_size=1)
+    config = dataclasses.replace(batch.model_runner.model_config, head_dim=2048)
+    runner = dataclasses.replace(batch.model_runner, model_config=config)
+    with pytest.raises(UnsupportedConfigError, match="head_dim"):
+        SGLangAttentionBackend(runner, "reference")
+
+
+def test_forward_before_metadata_raises():
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (2,)), layer, M.DECODE, page_size=1)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    with pytest.raises(InvalidInputError, match="init_forward_metadata"):
+        dropin.forward(batch.q, batch.k, batch.v, batch.layer, batch.forward_batch)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"is_cross_attention": True}, "is_cross_attention"),
+        ({"attn_type": "decoder_bidirectional"}, "attn_type"),
+    ],
+)
+def test_unmapped_layer_semantics_raise(change, field):
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (2,)), layer, M.DECODE, page_size=1)
+    bad = dataclasses.replace(MockRadixAttention.from_layer_spec(layer), **change)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    dropin.init_forward_metadata(batch.forward_batch)
+    with pytest.raises(UnsupportedConfigError, match=field):
+        dropin.forward(batch.q, batch.k, batch.v, bad, batch.forward_batch)
+
+
+def test_idle_returns_zero_rows():
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=8)
+    batch = make_sglang_batch(BatchSpec((), ()), layer, M.IDLE, page_size=16)
+    out = run(batch)
+    assert out.shape == (0, 32)
