@@ -1,0 +1,197 @@
+"""The drop-in classes' vLLM-facing surface: shapes, support checks, configuration, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from attnsdk import (
+    AttentionConfig,
+    BackendUnavailableError,
+    InvalidInputError,
+    UnsupportedConfigError,
+    create_backend,
+)
+from attnsdk.adapters.vllm import (
+    AttnSDKAttentionBackend,
+    AttnSDKMetadataBuilder,
+    VLLMCudaGraphSupport,
+    VLLMKVLayout,
+    register,
+)
+from attnsdk.adapters.vllm.testing import VLLM_BATCH_SPECS, mock_vllm_batch
+
+if TYPE_CHECKING:
+    from attnsdk.testing import BatchSpec
+
+
+class RefBackend(AttnSDKAttentionBackend):
+    attnsdk_backend = "reference"
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "order"),
+    [
+        (VLLMKVLayout.KV_BLOCKS, (2, 10, 16, 4, 64), (0, 1, 2, 3, 4)),
+        (VLLMKVLayout.BLOCKS_KV, (10, 2, 16, 4, 64), (0, 1, 2, 3, 4)),
+        (VLLMKVLayout.PACKED, (10, 4, 16, 128), (0, 2, 1, 3)),
+    ],
+)
+def test_kv_cache_shape_and_stride_order(
+    layout: VLLMKVLayout, shape: tuple[int, ...], order: tuple[int, ...]
+) -> None:
+    cls = type("B", (RefBackend,), {"kv_cache_layout": layout})
+    assert cls.get_kv_cache_shape(10, 16, 4, 64) == shape
+    assert cls.get_kv_cache_stride_order() == order
+    assert cls.get_kv_cache_stride_order(include_num_layers_dimension=True) == (
+        0,
+        *(i + 1 for i in order),
+    )
+    # What vLLM allocates from these (shape permuted by the stride order) reads back as `layout`.
+    physical = torch.zeros(tuple(shape[i] for i in order))
+    logical = physical.permute(*(order.index(i) for i in range(len(order))))
+    impl = cls.get_impl_cls()(8, 64, 0.125, 4)
+    assert impl._kv(logical, torch.float32).k.shape == (10, 16, 4, 64)
+
+
+def test_subclass_configures_builder_and_impl() -> None:
+    impl_cls, builder_cls = RefBackend.get_impl_cls(), RefBackend.get_builder_cls()
+    assert impl_cls.attnsdk_backend == "reference"
+    assert builder_cls.attnsdk_backend == "reference"
+    assert RefBackend.get_impl_cls() is impl_cls  # bound once, not per call
+    impl = impl_cls(8, 64, 0.125, 2)
+    builder = builder_cls(None, ["l"], None, torch.device("cpu"))
+    assert impl.backend is builder.backend  # plans and layers share one backend
+    assert issubclass(builder_cls, AttnSDKMetadataBuilder)
+    assert RefBackend.get_name() == "CUSTOM"
+
+
+def test_backend_from_config_or_instance_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = AttentionConfig(backend="reference", options={"max_scores": 4096})
+    by_config = type("C", (AttnSDKAttentionBackend,), {"attnsdk_backend": config})
+    assert by_config.get_impl_cls()(4, 32, 0.1, 2).backend.options.max_scores == 4096
+    instance = create_backend("reference")
+    by_instance = type("I", (AttnSDKAttentionBackend,), {"attnsdk_backend": instance})
+    assert by_instance.get_impl_cls()(4, 32, 0.1, 2).backend is instance
+    monkeypatch.setenv("ATTNSDK_BACKEND", "reference")
+    assert AttnSDKAttentionBackend.get_impl_cls()(4, 32, 0.1, 2).backend.name == "reference"
+
+
+def test_unknown_backend_name_lists_known_ones() -> None:
+    bad = type("X", (AttnSDKAttentionBackend,), {"attnsdk_backend": "no-such-kernel"})
+    with pytest.raises(UnsupportedConfigError, match="known backends"):
+        bad.get_impl_cls()(4, 32, 0.1, 2)
+
+
+def test_validate_configuration_returns_reasons() -> None:
+    ok = RefBackend.validate_configuration(128, torch.bfloat16, "auto", 16, False, False, False)
+    assert ok == []
+    assert RefBackend.validate_configuration(128, torch.float16, "fp8", 16) == []
+    reasons = RefBackend.validate_configuration(
+        2048, torch.float64, "int8", 16, use_mla=True, use_sparse=True
+    )
+    text = "\n".join(reasons)
+    for needle in ("dtype", "MLA not supported", "sparse", "kv_cache_dtype 'int8'"):
+        assert needle in text, text
+    too_big = RefBackend.validate_configuration(2048, torch.float16, "auto", 16)
+    assert any("head_dim" in r for r in too_big)
+    unavailable = type("F", (AttnSDKAttentionBackend,), {"attnsdk_backend": "no-such-kernel"})
+    assert (
+        "unknown attention backend"
+        in unavailable.validate_configuration(64, torch.float16, "auto", 16)[0]
+    )
+
+
+def test_support_queries() -> None:
+    assert RefBackend.supports_sink()
+    assert RefBackend.supports_non_causal()
+    assert RefBackend.supports_attn_type("encoder_only")
+    assert RefBackend.supports_attn_type("decoder")
+    assert not RefBackend.supports_attn_type("encoder_decoder")
+    assert RefBackend.supports_head_size(256)
+    assert not RefBackend.supports_head_size(4096)
+    assert RefBackend.supports_dtype(torch.float32)
+    assert not RefBackend.supports_dtype(torch.int8)
+    assert RefBackend.supports_kv_cache_dtype("fp8_e5m2")
+    assert not RefBackend.supports_kv_cache_dtype("int4")
+    assert RefBackend.supports_block_size(7)
+    assert RefBackend.get_preferred_block_size(16) == 16
+    assert not RefBackend.is_mla()
+    assert not RefBackend.supports_mm_prefix()
+    # Without vLLM loaded the kernel block sizes are plain ints and the graph level our own enum.
+    assert RefBackend.get_supported_kernel_block_sizes() == [1]
+    assert (
+        RefBackend.get_builder_cls().get_cudagraph_support(None, None) is VLLMCudaGraphSupport.NEVER
+    )
+
+
+def test_unsupported_layer_features_raise_with_reasons() -> None:
+    impl_cls = RefBackend.get_impl_cls()
+    with pytest.raises(UnsupportedConfigError, match="ALiBi"):
+        impl_cls(4, 32, 0.1, 2, alibi_slopes=[0.5] * 4)
+    with pytest.raises(InvalidInputError, match=r"sinks\.shape"):
+        impl_cls(4, 32, 0.1, 2, sinks=torch.zeros(3))
+
+
+def _step(spec: BatchSpec) -> tuple[object, object, object]:
+    batch = mock_vllm_batch(spec, num_heads=4, num_kv_heads=2, head_size=32)
+    builder = RefBackend.get_builder_cls()(None, ["l"], None, torch.device("cpu"))
+    impl = RefBackend.get_impl_cls()(4, 32, 32**-0.5, 2)
+    return batch, builder, impl
+
+
+def test_profiling_run_and_output_errors() -> None:
+    batch, builder, impl = _step(VLLM_BATCH_SPECS["small_decode"])
+    output = torch.full((2, 128), math.nan)
+    impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, None, output)
+    assert output.eq(0).all()  # vLLM's profiling run passes no metadata
+    meta = builder.build(0, batch.common_attn_metadata)
+    with pytest.raises(InvalidInputError, match="output"):
+        impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, meta)
+    with pytest.raises(UnsupportedConfigError, match="output quantization"):
+        impl.forward(
+            batch.layer,
+            batch.query,
+            batch.key,
+            batch.value,
+            batch.kv_cache,
+            meta,
+            output,
+            output_scale=torch.ones(()),
+        )
+    with pytest.raises(InvalidInputError, match=r"query.shape: expected \(T, 4, 32\)"):
+        impl.forward(
+            batch.layer, batch.query[:, :3], batch.key, batch.value, batch.kv_cache, meta, output
+        )
+
+
+def test_unviewable_output_is_copied_back() -> None:
+    batch, builder, impl = _step(VLLM_BATCH_SPECS["small_prefill"])
+    meta = builder.build(0, batch.common_attn_metadata)
+    wide = torch.full((16, 256), math.nan)
+    output = wide[:, ::2]  # (T, Hq * D) that no (T, Hq, D) view can alias
+    impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, meta, output)
+    assert bool(torch.isfinite(output).all())
+    assert bool(wide[:, 1::2].isnan().all())
+
+
+def test_update_block_table_replans_for_another_group() -> None:
+    batch, builder, _ = _step(VLLM_BATCH_SPECS["mixed_small"])
+    meta = builder.build(0, batch.common_attn_metadata)
+    table = batch.common_attn_metadata.block_table_tensor + 1
+    slots = batch.common_attn_metadata.slot_mapping + 16
+    moved = builder.update_block_table(meta, table, slots)
+    assert torch.equal(moved.metadata.page_table, table)
+    assert torch.equal(moved.metadata.slot_mapping, slots[: meta.num_actual_tokens])
+    assert torch.equal(moved.metadata.seq_lens, meta.metadata.seq_lens)
+    assert moved.plan is not meta.plan
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_register_without_vllm_names_the_install_command() -> None:
+    with pytest.raises(BackendUnavailableError, match="pip install vllm"):
+        register()
