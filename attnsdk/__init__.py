@@ -13,7 +13,7 @@ from attnsdk._errors import (
     InvalidMetadataError,
     UnsupportedConfigError,
 )
-from attnsdk._graph import GraphBuffers
+from attnsdk._graph import GraphBuffers, GraphHooks
 from attnsdk._kv import KVCache, KVCacheLayout, KVOrder
 from attnsdk._layer import LayerSpec
 from attnsdk._metadata import AttentionMetadata
@@ -32,6 +32,7 @@ __all__ = [
     "Capabilities",
     "Feature",
     "GraphBuffers",
+    "GraphHooks",
     "GraphRunner",
     "GraphSupport",
     "InvalidInputError",

@@ -10,12 +10,15 @@ write nothing (slot -1); token rows left over after that belong to no sequence.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
+from attnsdk._backend import Plan
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._metadata import AttentionMetadata
 
-__all__ = ["GraphBuffers"]
+__all__ = ["GraphBuffers", "GraphHooks"]
 
 
 class GraphBuffers:
@@ -136,3 +139,38 @@ class GraphBuffers:
             qsl[bs].fill_(end)
             torch.sub(qsl[b + 1 : bs + 1], qsl[b:bs], out=seq[b:bs])
             seq[b:bs].clamp_(min=self.seq_len_fill)
+
+
+class GraphHooks:
+    """The ``Backend`` CUDA-graph hooks over ``GraphBuffers``; backends mix it in.
+
+    A backend whose plans carry more than the metadata sets ``plan_type`` to its ``Plan``
+    subclass (constructible as ``plan_type(metadata, graph=state)``).
+    """
+
+    plan_type: ClassVar[type[Plan]] = Plan
+
+    def graph_state(
+        self,
+        max_batch: int,
+        max_tokens: int,
+        max_pages: int,
+        *,
+        page_size: int,
+        device: torch.device | str,
+    ) -> GraphBuffers:
+        return GraphBuffers(max_batch, max_tokens, max_pages, page_size=page_size, device=device)
+
+    def plan_for_capture(self, state: GraphBuffers, batch_size: int, num_tokens: int) -> Plan:
+        return self.plan_type(state.capture_metadata(batch_size, num_tokens), graph=state)
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        if plan.graph is None or not isinstance(plan, self.plan_type):
+            raise InvalidInputError(
+                "plan",
+                f"a {self.plan_type.__name__} made by plan_for_capture",
+                f"a {type(plan).__name__} without graph buffers"
+                if plan.graph is None
+                else type(plan).__name__,
+            )
+        plan.graph.replay_update(plan.metadata, meta)

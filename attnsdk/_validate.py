@@ -36,9 +36,7 @@ def validate_metadata(meta: AttentionMetadata, layout_or_cache: KVCacheLayout | 
     _first_bad("query_start_loc", qlen < 0, "non-decreasing", qsl[1:], offset=1)
     owned = int(qsl[-1])
     if meta.num_tokens < owned:
-        raise InvalidMetadataError(
-            "num_tokens", f">= query_start_loc[-1]={owned}", meta.num_tokens
-        )
+        raise InvalidMetadataError("num_tokens", f">= query_start_loc[-1]={owned}", meta.num_tokens)
     _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
     if qlen.numel():
         if meta.max_query_len < int(qlen.max()):

@@ -30,8 +30,8 @@ from attnsdk._capabilities import (
     capability_reasons,
     device_reasons,
 )
-from attnsdk._errors import InvalidInputError, UnsupportedConfigError
-from attnsdk._graph import GraphBuffers
+from attnsdk._errors import UnsupportedConfigError
+from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVOrder
 from attnsdk.backends._fa3_kernels import (
     INSTALL_COMMAND,
@@ -95,7 +95,7 @@ class _Static:
     """What FA3's scheduler metadata depends on besides the batch."""
 
 
-class FA3Backend:
+class FA3Backend(GraphHooks):
     """FlashAttention-3 on Hopper. See the module docstring."""
 
     name = "fa3"
@@ -113,6 +113,7 @@ class FA3Backend:
         graph_support=GraphSupport.ANY_BATCH,
     )
     Options = FA3Options
+    plan_type = FA3Plan
 
     def __init__(self, options: FA3Options | None = None) -> None:
         self.options = options or FA3Options()
@@ -171,27 +172,6 @@ class FA3Backend:
     def plan(self, meta: AttentionMetadata) -> FA3Plan:
         # FA3 reads the metadata tensors as they are; nothing to compute or copy per step.
         return FA3Plan(meta)
-
-    def graph_state(
-        self,
-        max_batch: int,
-        max_tokens: int,
-        max_pages: int,
-        *,
-        page_size: int,
-        device: torch.device | str,
-    ) -> GraphBuffers:
-        return GraphBuffers(max_batch, max_tokens, max_pages, page_size=page_size, device=device)
-
-    def plan_for_capture(self, state: GraphBuffers, batch_size: int, num_tokens: int) -> FA3Plan:
-        return FA3Plan(state.capture_metadata(batch_size, num_tokens), graph=state)
-
-    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
-        if plan.graph is None or not isinstance(plan, FA3Plan):
-            raise InvalidInputError(
-                "plan", "an FA3Plan made by plan_for_capture", type(plan).__name__
-            )
-        plan.graph.replay_update(plan.metadata, meta)
 
     # -- per layer --------------------------------------------------------------------------
 

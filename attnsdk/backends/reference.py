@@ -20,8 +20,7 @@ from attnsdk._capabilities import (
     Reason,
     capability_reasons,
 )
-from attnsdk._errors import InvalidInputError
-from attnsdk._graph import GraphBuffers
+from attnsdk._graph import GraphHooks
 from attnsdk._kv import FP8_KV_DTYPES, KVOrder, dequantize
 
 if TYPE_CHECKING:
@@ -41,8 +40,12 @@ class ReferenceOptions(BaseModel):
     """Upper bound on score-matrix elements held at once; long prefills are split in query chunks."""
 
 
-class ReferenceBackend:
-    """The oracle: exact semantics, modest speed. See module docstring."""
+class ReferenceBackend(GraphHooks):
+    """The oracle: exact semantics, modest speed. See module docstring.
+
+    Not capturable (it loops on host lengths), but its ``GraphHooks`` run eagerly, which lets
+    adapters test their CUDA-graph paths on a CPU.
+    """
 
     name = "reference"
     capabilities = Capabilities(
@@ -72,29 +75,6 @@ class ReferenceBackend:
 
     def plan(self, meta: AttentionMetadata) -> Plan:
         return Plan(meta)
-
-    def graph_state(
-        self,
-        max_batch: int,
-        max_tokens: int,
-        max_pages: int,
-        *,
-        page_size: int,
-        device: torch.device | str,
-    ) -> GraphBuffers:
-        # Not capturable (it loops on host lengths), but the static-buffer protocol runs eagerly,
-        # which lets adapters test their CUDA-graph paths on a CPU.
-        return GraphBuffers(max_batch, max_tokens, max_pages, page_size=page_size, device=device)
-
-    def plan_for_capture(self, state: GraphBuffers, batch_size: int, num_tokens: int) -> Plan:
-        return Plan(state.capture_metadata(batch_size, num_tokens), graph=state)
-
-    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
-        if plan.graph is None:
-            raise InvalidInputError(
-                "plan", "a plan made by plan_for_capture", "a plan without graph buffers"
-            )
-        plan.graph.replay_update(plan.metadata, meta)
 
     def forward(
         self,

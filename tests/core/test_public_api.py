@@ -24,6 +24,7 @@ PUBLIC = [
     "Capabilities",
     "Feature",
     "GraphBuffers",
+    "GraphHooks",
     "GraphRunner",
     "GraphSupport",
     "InvalidInputError",
