@@ -21,7 +21,7 @@ from attnsdk._capabilities import (
     capability_reasons,
 )
 from attnsdk._graph import GraphHooks
-from attnsdk._kv import FP8_KV_DTYPES, KVOrder, dequantize
+from attnsdk._kv import FP8_KV_DTYPES, KVOrder
 
 if TYPE_CHECKING:
     from attnsdk._kv import KVCache, KVCacheLayout
@@ -103,30 +103,23 @@ class ReferenceBackend(GraphHooks):
             )
         qsl = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
+        longest = max((s for b, s in enumerate(seq_lens) if qsl[b + 1] > qsl[b]), default=0)
+        # One fp32 workspace per forward: fresh multi-MB buffers per sequence cost page faults
+        # that, on a CPU, take longer than the attention itself.
+        ws_k = torch.empty(layer.num_kv_heads, longest, layer.head_dim, device=q.device)
+        ws_v = torch.empty(layer.num_kv_heads, longest, layer.v_dim, device=q.device)
         for b, seq_len in enumerate(seq_lens):
             q0, q1 = qsl[b], qsl[b + 1]
             if q1 > q0 and seq_len == 0:
                 # A padding row with tokens but no keys (DESIGN §2 allows seq_len 0): zeros.
                 out[q0:q1] = 0
             elif q1 > q0:
-                kb, vb = self._gather(cache, meta.page_table[b], seq_len, k_scale, v_scale)
+                p = cache.layout.page_size
+                pages = meta.page_table[b, : (seq_len + p - 1) // p].long()
+                kb = _head_major(cache.k_nhd, pages, seq_len, k_scale, ws_k)
+                vb = _head_major(cache.v_nhd, pages, seq_len, v_scale, ws_v)
                 self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1])
         return out
-
-    @staticmethod
-    def _gather(
-        cache: KVCache,
-        page_row: torch.Tensor,
-        seq_len: int,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 K (L, Hkv, D) and V (L, Hkv, Dv) of one sequence, in position order."""
-        p = cache.layout.page_size
-        pages = page_row[: (seq_len + p - 1) // p].long()
-        kb = cache.k_nhd[pages].flatten(0, 1)[:seq_len]
-        vb = cache.v_nhd[pages].flatten(0, 1)[:seq_len]
-        return dequantize(kb, k_scale), dequantize(vb, v_scale)
 
     def _attend(
         self,
@@ -137,19 +130,22 @@ class ReferenceBackend(GraphHooks):
         sinks: torch.Tensor | None,
         out: torch.Tensor,
     ) -> None:
-        """One sequence: q (n, Hq, D) at the last n of L positions, k/v (L, Hkv, D|Dv) fp32."""
-        n, length = q.shape[0], k.shape[0]
-        hkv, g = layer.num_kv_heads, layer.group_size
+        """One sequence: q (n, Hq, D) at the last n of L positions, k/v (Hkv, L, D|Dv) fp32."""
+        n, length = q.shape[0], k.shape[1]
+        hkv, g, dv = layer.num_kv_heads, layer.group_size, layer.v_dim
         chunk = max(1, self.options.max_scores // max(1, layer.num_heads * length))
         key_pos = torch.arange(length, device=q.device)
         sink = None if sinks is None else sinks.float().view(hkv, g, 1, 1)
         for c0 in range(0, n, chunk):
-            qc = q[c0 : c0 + chunk].float().unflatten(1, (hkv, g))  # (c, Hkv, G, D)
-            scores = torch.einsum("qhgd,khd->hgqk", qc, k) * layer.softmax_scale
+            c = min(chunk, n - c0)
+            # Head-major queries so both products are plain batched matmuls over KV heads.
+            qh = q[c0 : c0 + c].float().view(c, hkv, g, -1).permute(1, 2, 0, 3)
+            scores = torch.matmul(qh.reshape(hkv, g * c, -1), k.transpose(1, 2))
+            scores = scores.view(hkv, g, c, length).mul_(layer.softmax_scale)
             if layer.has_softcap:
                 cap = float(layer.softcap or 0.0)
-                scores = torch.tanh(scores / cap) * cap
-            q_pos = length - n + c0 + torch.arange(qc.shape[0], device=q.device)
+                scores = scores.div_(cap).tanh_().mul_(cap)
+            q_pos = length - n + c0 + torch.arange(c, device=q.device)
             rel = key_pos[None, :] - q_pos[:, None]  # key position minus query position
             allowed = torch.ones_like(rel, dtype=torch.bool)
             if layer.causal:
@@ -158,16 +154,33 @@ class ReferenceBackend(GraphHooks):
                 allowed &= rel >= -layer.window_left
                 if not layer.causal:
                     allowed &= rel <= layer.window_left
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            if not bool(allowed.all()):
+                scores = scores.masked_fill_(~allowed, float("-inf"))
             row_max = scores.amax(dim=-1, keepdim=True)
             if sink is not None:
                 row_max = torch.maximum(row_max, sink.expand_as(row_max))
             # A row that sees no key (and has no sink) has max -inf; it outputs zeros.
             row_max = torch.nan_to_num(row_max, neginf=0.0)
-            probs = torch.exp(scores - row_max)
+            probs = scores.sub_(row_max).exp_()
             denom = probs.sum(dim=-1, keepdim=True)
             if sink is not None:
                 denom = denom + torch.exp(sink - row_max)
-            probs = probs / denom.clamp_min(torch.finfo(torch.float32).tiny)
-            o = torch.einsum("hgqk,khd->qhgd", probs, v)
-            out[c0 : c0 + qc.shape[0]] = o.flatten(1, 2).to(out.dtype)
+            probs = probs.div_(denom.clamp_min(torch.finfo(torch.float32).tiny))
+            o = torch.matmul(probs.view(hkv, g * c, length), v)  # (Hkv, G*c, Dv)
+            out[c0 : c0 + c] = o.view(hkv, g, c, dv).permute(2, 0, 1, 3).flatten(1, 2)
+
+
+def _head_major(
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    seq_len: int,
+    scale: torch.Tensor | None,
+    workspace: torch.Tensor,
+) -> torch.Tensor:
+    """One sequence's K or V as fp32 (Hkv, L, D), in position order, in ``workspace``."""
+    # index_select, not advanced indexing: about 4x faster for whole pages on a CPU.
+    tokens = cache.index_select(0, pages).flatten(0, 1)[:seq_len].transpose(0, 1)
+    x = workspace[:, :seq_len].copy_(tokens)  # converts and transposes in one pass
+    if cache.dtype in FP8_KV_DTYPES and scale is not None:
+        x.mul_(scale.float().reshape(-1, 1, 1))
+    return x
