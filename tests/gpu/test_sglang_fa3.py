@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnsdk import KVCacheLayout, LayerSpec, explain
+from attnsdk import KVCacheLayout, LayerSpec, UnsupportedConfigError, explain
 from attnsdk.adapters.sglang import SGLangAttentionBackend
 from attnsdk.adapters.sglang.testing import (
     ForwardMode,
@@ -90,24 +90,41 @@ def test_every_mode_matches_reference(name, mode, q, s, heads, page_size, dtype)
     compare(batch, layer)
 
 
+SEMANTICS = {
+    "window-sglang-4": LayerSpec(num_heads=8, num_kv_heads=2, head_dim=128, sliding_window=5),
+    "softcap": LayerSpec(num_heads=8, num_kv_heads=2, head_dim=128, softcap=30.0),
+    "encoder-only": LayerSpec(num_heads=8, num_kv_heads=8, head_dim=64, causal=False),
+}
+# Encoder-only layers run prefill batches only.
+SEMANTIC_CASES = [
+    (layer_id, *case)
+    for layer_id, layer in SEMANTICS.items()
+    for case in CASES[:6]
+    if layer.causal or case[1] is M.EXTEND
+]
+
+
 @pytest.mark.parametrize(
-    "layer",
-    [
-        LayerSpec(num_heads=8, num_kv_heads=2, head_dim=128, sliding_window=5),
-        LayerSpec(num_heads=8, num_kv_heads=2, head_dim=128, softcap=30.0),
-        LayerSpec(num_heads=8, num_kv_heads=8, head_dim=64, causal=False),
-    ],
-    ids=["window-sglang-4", "softcap", "encoder-only"],
+    ("layer_id", "name", "mode", "q", "s"),
+    SEMANTIC_CASES,
+    ids=[f"{c[0]}-{c[1]}" for c in SEMANTIC_CASES],
 )
-@pytest.mark.parametrize(("name", "mode", "q", "s"), CASES[:6], ids=[c[0] for c in CASES[:6]])
-def test_layer_semantics_match_reference(name, mode, q, s, layer):
-    if not layer.causal and mode is not M.EXTEND:
-        pytest.skip("encoder-only layers run prefill batches")
-    fa3_or_skip(layer, 16, torch.bfloat16)
+def test_layer_semantics_match_reference(layer_id, name, mode, q, s):
+    """Served exactly when fa3 declares the feature; refused with the reason when its build
+    lacks it (softcap is an FA3 build option)."""
+    layer = SEMANTICS[layer_id]
+    layout = KVCacheLayout(layer.num_kv_heads, layer.head_dim, 16, torch.bfloat16)
+    reasons = explain("fa3", layer, layout, DEV)["fa3"]
     batch = make_sglang_batch(
         BatchSpec(q, s), layer, mode, page_size=16, dtype=torch.bfloat16, device=DEV
     )
-    compare(batch, layer)
+    if not reasons:
+        compare(batch, layer)
+        return
+    assert layer.has_softcap, reasons
+    assert [r.field for r in reasons] == ["softcap"]
+    with pytest.raises(UnsupportedConfigError, match="softcap"):
+        run(batch, "fa3")
 
 
 def test_save_kv_cache_false_leaves_buffers():

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from attnsdk import KVCacheLayout, LayerSpec, explain
+from attnsdk import KVCacheLayout, LayerSpec, UnsupportedConfigError, explain
 from attnsdk.adapters.vllm import AttnSDKAttentionBackend, VLLMKVLayout
 from attnsdk.adapters.vllm.testing import VLLM_BATCH_SPECS, VLLMMockBatch, mock_vllm_batch
 from attnsdk.testing import BatchSpec, assert_close_to_reference
@@ -140,10 +140,24 @@ def test_cuda_graph_padding(layout: VLLMKVLayout) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_sliding_window_sinks_softcap(layout: VLLMKVLayout) -> None:
-    fa3_or_skip(torch.bfloat16, sliding_window=64, softcap=30.0, has_sinks=True)
+def test_sliding_window_and_sinks(layout: VLLMKVLayout) -> None:
+    fa3_or_skip(torch.bfloat16, sliding_window=64, has_sinks=True)
     batch = batch_for(VLLM_BATCH_SPECS["mixed_medium"], layout, torch.bfloat16, sinks=True)
-    compare(batch, window=64, softcap=30.0)
+    compare(batch, window=64)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+def test_softcap_matches_reference_or_is_refused(layout: VLLMKVLayout) -> None:
+    """Softcap is a build option of FA3: served exactly when fa3 declares it, else refused."""
+    spec = LayerSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, softcap=30.0)
+    reasons = explain("fa3", spec, KVCacheLayout(HKV, D, 16, torch.bfloat16), DEV)["fa3"]
+    batch = batch_for(VLLM_BATCH_SPECS["mixed_medium"], layout, torch.bfloat16)
+    if not reasons:
+        compare(batch, softcap=30.0)
+        return
+    assert [r.field for r in reasons] == ["softcap"]
+    with pytest.raises(UnsupportedConfigError, match="softcap"):
+        run(batch, "fa3", softcap=30.0)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
