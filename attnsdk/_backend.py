@@ -163,6 +163,8 @@ def check_forward_args(
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
             continue
+        if not isinstance(scale, torch.Tensor):
+            raise InvalidInputError(name, "an fp32 tensor or None", type(scale).__name__)
         if not layout.is_quantized:
             raise InvalidInputError(
                 name, f"None for a {layout.storage_dtype} cache", tuple(scale.shape)

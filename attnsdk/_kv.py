@@ -225,5 +225,11 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def _broadcast_scale(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    if not isinstance(scale, torch.Tensor):
+        raise InvalidInputError("scale", "an fp32 tensor", type(scale).__name__)
     s = scale.float().reshape(-1)
-    return s.view(num_kv_heads, 1) if s.numel() == num_kv_heads and num_kv_heads > 1 else s[:1]
+    if s.numel() == 1:
+        return s
+    if s.numel() != num_kv_heads:
+        raise InvalidInputError("scale", f"shape (), (1,) or ({num_kv_heads},)", tuple(scale.shape))
+    return s.view(num_kv_heads, 1)

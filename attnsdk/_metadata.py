@@ -104,6 +104,11 @@ class AttentionMetadata:
             raise InvalidMetadataError(
                 "page_table", f"at least {needed} columns (max seq_len / page_size)", pt.shape[1]
             )
+        used = torch.arange(pt.shape[1]) < ((s + page_size - 1) // page_size)[:, None]
+        negative = (pt.cpu() < 0) & used  # a convenience constructor may sync
+        if bool(negative.any()):
+            b, i = (int(x) for x in torch.nonzero(negative)[0])
+            raise InvalidMetadataError(f"page_table[{b}, {i}]", ">= 0", int(pt[b, i]))
         qsl_cpu = torch.zeros(q.shape[0] + 1, dtype=torch.int32)
         torch.cumsum(q, 0, out=qsl_cpu[1:])
         # Each new token's (sequence, position), then its slot from the page table.

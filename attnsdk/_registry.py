@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from attnsdk._capabilities import Capabilities, Reason, ReasonKind, capability_reasons
-from attnsdk._errors import BackendUnavailableError, UnsupportedConfigError
+from attnsdk._errors import AttnSDKError, BackendUnavailableError, UnsupportedConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -243,7 +243,13 @@ def _create_auto(config: AttentionConfig, device: torch.device | str | None) -> 
             skipped[entry.name] = reasons
             continue
         options = entry.options_model()()
-        backend: Backend = entry.factory()(options)
+        try:
+            backend: Backend = entry.factory()(options)
+        except (AttnSDKError, ImportError) as exc:
+            # Its environment looked fine but creating it failed (e.g. an unusable kernel build):
+            # that is one more backend "auto" cannot use, reported with the others.
+            skipped[entry.name] = [Reason(ReasonKind.ENVIRONMENT, "create", str(exc))]
+            continue
         with _LOCK:
             first = entry.name not in _LOGGED_AUTO
             _LOGGED_AUTO.add(entry.name)

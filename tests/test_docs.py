@@ -14,7 +14,14 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/architecture.md", "docs/kv_layout.md", "docs/adding_a_backend.md"]
+DOCS = [
+    "README.md",
+    "docs/architecture.md",
+    "docs/kv_layout.md",
+    "docs/adding_a_backend.md",
+    "docs/adapters/sglang.md",
+    "docs/adapters/vllm.md",
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 

@@ -290,8 +290,10 @@ class AttnSDKAttentionBackend:
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
-        low = _backend(cls).capabilities.min_compute_capability
-        return low is None or (capability.major, capability.minor) >= low
+        caps = _backend(cls).capabilities
+        cc = (capability.major, capability.minor)
+        low, high = caps.min_compute_capability, caps.max_compute_capability
+        return (low is None or cc >= low) and (high is None or cc <= high)
 
     @classmethod
     def is_mla(cls) -> bool:

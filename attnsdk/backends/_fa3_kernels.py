@@ -55,6 +55,8 @@ PROVIDERS: dict[Provider, str] = {
 # ``torch.ops.flash_attn_3.fwd`` as this module calls it positionally: 35 arguments, q first,
 # the output buffer 7th, sinks last (flash_attn_interface 3.0 with sinks). Any other schema goes
 # through the Python wrapper.
+_WRAPPER_NEEDS = frozenset({"page_table", "cu_seqlens_q", "max_seqlen_q", "cache_seqlens"})
+"""Keywords the public wrapper must take for one paged varlen call to serve a mixed batch."""
 _FWD_ARITY = 35
 _FWD_MARKERS = {0: "q", 34: "sinks"}
 
@@ -188,8 +190,17 @@ def load_kernel(pinned: Provider | Literal["auto"] = "auto") -> KernelCall:
             return KernelCall(
                 provider, True, fwd.default, sched.default if sched else None, frozenset()
             )
-    wrapper = module.flash_attn_with_kvcache
-    names = frozenset(inspect.signature(wrapper).parameters)
+    wrapper = getattr(module, "flash_attn_with_kvcache", None)
+    names = frozenset(inspect.signature(wrapper).parameters) if wrapper is not None else frozenset()
+    missing = sorted(_WRAPPER_NEEDS - names)
+    if wrapper is None or missing:
+        # e.g. a vLLM fork that serves FA3 only through flash_attn_varlen_func
+        found = "no flash_attn_with_kvcache" if wrapper is None else f"one without {missing}"
+        raise BackendUnavailableError(
+            f"{PROVIDERS[provider]}.flash_attn_with_kvcache must take the paged varlen arguments "
+            f"{sorted(_WRAPPER_NEEDS)}, found {found}.",
+            INSTALL_COMMAND,
+        )
     return KernelCall(provider, False, wrapper, None, names)
 
 

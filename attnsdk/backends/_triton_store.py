@@ -10,9 +10,12 @@ views, so NHD, HND and packed K‖V caches all work.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from attnsdk._errors import BackendUnavailableError
+
+logger = logging.getLogger("attnsdk")
 
 if TYPE_CHECKING:
     import torch
@@ -173,6 +176,11 @@ def _launch(
         compiled[grid](*args)  # a launcher with another signature raises before launching
     except Exception:  # any other Triton launch API: fall back to the ordinary path for good
         _fast_launch = False
+        logger.warning(
+            "attnsdk: Triton's compiled-kernel launch is unavailable; the KV store uses the "
+            "slower ordinary launch (~10 µs more host time per layer)",
+            exc_info=True,
+        )
         kernel[grid](*runtime, **constexprs, num_warps=4)
         return
     _compiled[key] = compiled

@@ -65,9 +65,11 @@ class FA3Options(BaseModel):
     """Split-KV chunks; 0 lets FA3's heuristic (and its dynamic per-sequence split) decide."""
     pack_gqa: bool | None = None
     """Pack a KV head's query heads into one tile; None lets FA3 decide."""
-    precompute_scheduler: bool = True
+    precompute_scheduler: bool | None = None
     """Compute FA3's ``scheduler_metadata`` once per step and layer shape (at the first layer)
-    instead of inside every layer's call. Measured on an H200 (docs/benchmarks.md) it saves
+    instead of inside every layer's call. None (default): on whenever the provider exposes FA3's
+    scheduler op (flash_attn_interface does), else off; True insists (an error without the op);
+    False turns it off. Measured on an H200 (docs/benchmarks.md) it saves
     ~5 µs of host time per eager layer and ~15% of GPU time per layer at batch 1 under graph
     replay, and is neutral at batch 64-256; the per-step cost is one small launch."""
 
@@ -120,7 +122,9 @@ class FA3Backend(GraphHooks):
         self._kernel: KernelCall = load_kernel(self.options.provider)
         # Layers already checked against this backend (LayerSpec and layout are frozen values).
         self._static: dict[tuple[LayerSpec, KVCacheLayout], _Static] = {}
-        if self.options.precompute_scheduler and self._kernel.scheduler is None:
+        wanted = self.options.precompute_scheduler
+        self._precompute = self._kernel.scheduler is not None and wanted is not False
+        if wanted and self._kernel.scheduler is None:
             raise UnsupportedConfigError(
                 "fa3 option precompute_scheduler=True needs the scheduler op of flash_attn_interface",
                 [Reason(_CFG, "precompute_scheduler", f"unavailable with {self._kernel.provider}")],
@@ -230,9 +234,7 @@ class FA3Backend(GraphHooks):
         if sinks is not None:
             # FA3 (flash_api_stable) reads the sink logits as bf16 whatever the compute dtype.
             sinks = sinks.to(torch.bfloat16)
-        scheduler = (
-            self._scheduler(plan, meta, layer, st) if self.options.precompute_scheduler else None
-        )
+        scheduler = self._scheduler(plan, meta, layer, st) if self._precompute else None
         self._kernel(
             q,
             k_cache,

@@ -46,9 +46,11 @@ def assert_close_to_reference(
     atol = default_atol if atol is None else atol
     rtol = default_rtol if rtol is None else rtol
     o, r = out.detach().float().cpu(), ref.detach().float().cpu()
-    bad = ~torch.isfinite(o)
-    if bool(bad.any()):
-        raise AssertionError(f"non-finite output at index {tuple(torch.nonzero(bad)[0].tolist())}")
+    for name, x in (("output", o), ("reference", r)):
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            where = tuple(torch.nonzero(bad)[0].tolist())
+            raise AssertionError(f"non-finite {name} at index {where}")
     err = (o - r).abs()
     over = err > atol + rtol * r.abs()
     if bool(over.any()):

@@ -195,3 +195,27 @@ def test_update_block_table_replans_for_another_group() -> None:
 def test_register_without_vllm_names_the_install_command() -> None:
     with pytest.raises(BackendUnavailableError, match="pip install vllm"):
         register()
+
+
+def test_supports_compute_capability_honours_both_bounds() -> None:
+    """vLLM must not pick a Hopper-only attnsdk backend on an older or newer GPU."""
+    from types import SimpleNamespace
+
+    import attnsdk as A
+    from attnsdk.backends.reference import ReferenceBackend
+
+    class HopperOnly(ReferenceBackend):
+        capabilities = A.Capabilities(
+            devices=frozenset({"cpu"}),
+            dtypes=ReferenceBackend.capabilities.dtypes,
+            kv_dtypes=frozenset(),
+            max_head_dim=256,
+            min_compute_capability=(9, 0),
+            max_compute_capability=(9, 9),
+        )
+
+    cls = type("H", (AttnSDKAttentionBackend,), {"attnsdk_backend": HopperOnly()})
+    cc = lambda major, minor: SimpleNamespace(major=major, minor=minor)  # noqa: E731
+    assert cls.supports_compute_capability(cc(9, 0))
+    assert not cls.supports_compute_capability(cc(8, 9))
+    assert not cls.supports_compute_capability(cc(10, 0))

@@ -357,3 +357,31 @@ def test_make_batch_rejects_unknown_page_order() -> None:
     layer, layout = LayerSpec(2, 1, 8), KVCacheLayout(1, 8, 4)
     with raises_field("pages"):
         make_batch(BatchSpec((1,), (3,)), layer, layout, pages="random")  # type: ignore[arg-type]
+
+
+def test_store_rejects_a_scale_of_the_wrong_size() -> None:
+    """A (3,) scale for 2 KV heads must not be silently read as its first element."""
+    from attnsdk import KVCacheLayout
+
+    layout = KVCacheLayout(2, 8, 4, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    cache = layout.allocate(3)
+    new = torch.randn(1, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(InvalidInputError, match=r"^scale: expected shape \(\), \(1,\) or \(2,\)"):
+        cache.store(new, new, torch.tensor([4]), k_scale=torch.ones(3))
+    assert not cache.k.float().any()  # nothing written
+
+
+def test_from_seqlens_rejects_negative_pages_in_use() -> None:
+    from attnsdk import AttentionMetadata, InvalidMetadataError
+
+    with pytest.raises(InvalidMetadataError, match=r"^page_table\[0, 0\]: expected >= 0"):
+        AttentionMetadata.from_seqlens([1], [3], [[-1]], page_size=4)
+    # Unused columns may hold anything (engines leave stale entries there).
+    AttentionMetadata.from_seqlens([1], [3], [[1, -1]], page_size=4)
+
+
+def test_assert_close_to_reference_fails_on_a_nan_reference() -> None:
+    from attnsdk.testing import assert_close_to_reference
+
+    with pytest.raises(AssertionError, match="non-finite reference"):
+        assert_close_to_reference(torch.zeros(2), torch.tensor([0.0, float("nan")]))
