@@ -105,7 +105,8 @@ class AttentionMetadata:
                 "page_table", f"at least {needed} columns (max seq_len / page_size)", pt.shape[1]
             )
         used = torch.arange(pt.shape[1]) < ((s + page_size - 1) // page_size)[:, None]
-        negative = (pt.cpu() < 0) & used  # a convenience constructor may sync
+        # A convenience constructor may sync; "meta" tensors (shape-only dry runs) hold no values.
+        negative = (pt.cpu() < 0) & used if pt.device.type != "meta" else used & False
         if bool(negative.any()):
             b, i = (int(x) for x in torch.nonzero(negative)[0])
             raise InvalidMetadataError(f"page_table[{b}, {i}]", ">= 0", int(pt[b, i]))
