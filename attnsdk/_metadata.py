@@ -112,10 +112,7 @@ class AttentionMetadata:
             raise InvalidMetadataError(f"page_table[{b}, {i}]", ">= 0", int(pt[b, i]))
         qsl_cpu = torch.zeros(q.shape[0] + 1, dtype=torch.int32)
         torch.cumsum(q, 0, out=qsl_cpu[1:])
-        # Each new token's (sequence, position), then its slot from the page table.
-        seq_of_token = torch.repeat_interleave(torch.arange(q.shape[0]), q.long())
-        pos = torch.arange(int(qsl_cpu[-1])) - qsl_cpu[:-1].long()[seq_of_token]
-        pos += (s - q).long()[seq_of_token]
+        seq_of_token, pos = token_positions(qsl_cpu, s)
         pt_dev = pt.to(device)
         pages = pt_dev[seq_of_token.to(device), (pos // page_size).to(device)].long()
         slot_mapping = pages * page_size + (pos % page_size).to(device)
@@ -177,6 +174,20 @@ class AttentionMetadata:
 
         validate_metadata(self, layout_or_cache)
         return self
+
+
+def token_positions(
+    query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, KV position) of every owned query token, as two (T,) int64 CPU tensors.
+
+    Token j of sequence b sits at position ``seq_lens[b] - query_len[b] + j`` (DESIGN §2).
+    """
+    qsl = query_start_loc_cpu.long()
+    qlen = qsl[1:] - qsl[:-1]
+    seq_of_token = torch.repeat_interleave(torch.arange(qlen.shape[0]), qlen)
+    start = (seq_lens_cpu.long() - qlen - qsl[:-1])[seq_of_token]
+    return seq_of_token, torch.arange(seq_of_token.shape[0]) + start
 
 
 def _host_ints(field: str, values: IntsLike) -> torch.Tensor:

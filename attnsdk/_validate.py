@@ -8,6 +8,7 @@ import torch
 
 from attnsdk._errors import InvalidMetadataError
 from attnsdk._kv import KVCache, KVCacheLayout
+from attnsdk._metadata import token_positions
 
 if TYPE_CHECKING:
     from attnsdk._metadata import AttentionMetadata
@@ -74,8 +75,7 @@ def validate_metadata(meta: AttentionMetadata, layout_or_cache: KVCacheLayout | 
     )
     # Each written token must land where the page table says its position lives.
     real = slots[:owned]
-    seq_of_token = torch.repeat_interleave(torch.arange(qlen.shape[0]), qlen)
-    pos = torch.arange(owned) - qsl[:-1][seq_of_token] + (seq - qlen)[seq_of_token]
+    seq_of_token, pos = token_positions(meta.query_start_loc_cpu, meta.seq_lens_cpu)
     expected = pt[seq_of_token, pos // page_size] * page_size + pos % page_size
     wrong = (real >= 0) & (real != expected)
     if bool(wrong.any()):
