@@ -96,8 +96,19 @@ class Backend(Protocol):
         """Allocate the static buffers that captured plans view (once, before capture)."""
         ...
 
-    def plan_for_capture(self, state: GraphBuffers, batch_size: int, num_tokens: int) -> Plan:
-        """A plan whose tensors are basic-slice views of ``state``, for capturing ``batch_size``."""
+    def plan_for_capture(
+        self,
+        state: GraphBuffers,
+        batch_size: int,
+        num_tokens: int,
+        *,
+        max_query_len: int | None = None,
+    ) -> Plan:
+        """A plan whose tensors are basic-slice views of ``state``, for capturing ``batch_size``.
+
+        ``max_query_len`` bounds every replayed row's query length (see
+        ``GraphBuffers.capture_metadata``); uniform graphs pass their tokens per row.
+        """
         ...
 
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:

@@ -65,12 +65,15 @@ class GraphBuffers:
         self._ramp = torch.arange(max_batch + 1, dtype=i32, device=dev)
         self._ramp_cpu = torch.arange(max_batch + 1, dtype=i32)
 
-    def capture_metadata(self, batch_size: int, num_tokens: int) -> AttentionMetadata:
+    def capture_metadata(
+        self, batch_size: int, num_tokens: int, *, max_query_len: int | None = None
+    ) -> AttentionMetadata:
         """Metadata of basic-slice views for a graph of ``batch_size`` rows and ``num_tokens`` tokens.
 
-        Its host maxima are upper bounds (every row has at least one token and one row all the
-        rest; every page used) because the captured kernels keep them; replay takes any smaller
-        real batch whose longest query fits ``max_query_len``.
+        Its host maxima are upper bounds because the captured kernels keep them: every page used,
+        and ``max_query_len`` (default: every row has one token and one row all the rest; pass
+        the tokens per row for uniform graphs such as speculative verify, so the kernel is sized
+        for them). Replay takes any smaller real batch whose longest query fits.
         """
         if not 0 < batch_size <= self.max_batch:
             raise InvalidInputError("batch_size", f"1..max_batch={self.max_batch}", batch_size)
@@ -78,7 +81,16 @@ class GraphBuffers:
             raise InvalidInputError(
                 "num_tokens", f"{batch_size}..max_tokens={self.max_tokens}", num_tokens
             )
-        max_query_len = num_tokens - batch_size + 1
+        loosest = num_tokens - batch_size + 1
+        if max_query_len is None:
+            max_query_len = loosest
+        elif not -(-num_tokens // batch_size) <= max_query_len <= loosest:
+            raise InvalidInputError(
+                "max_query_len",
+                f"{-(-num_tokens // batch_size)}..{loosest} for {num_tokens} tokens in "
+                f"{batch_size} rows",
+                max_query_len,
+            )
         self._pad(0, 0, batch_size, num_tokens, max_query_len)
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: batch_size + 1],
@@ -161,8 +173,16 @@ class GraphHooks:
     ) -> GraphBuffers:
         return GraphBuffers(max_batch, max_tokens, max_pages, page_size=page_size, device=device)
 
-    def plan_for_capture(self, state: GraphBuffers, batch_size: int, num_tokens: int) -> Plan:
-        return self.plan_type(state.capture_metadata(batch_size, num_tokens), graph=state)
+    def plan_for_capture(
+        self,
+        state: GraphBuffers,
+        batch_size: int,
+        num_tokens: int,
+        *,
+        max_query_len: int | None = None,
+    ) -> Plan:
+        meta = state.capture_metadata(batch_size, num_tokens, max_query_len=max_query_len)
+        return self.plan_type(meta, graph=state)
 
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
         if plan.graph is None or not isinstance(plan, self.plan_type):

@@ -113,7 +113,9 @@ class GraphRunner:
         # Largest first, so smaller graphs reuse the memory pool the largest one reserved.
         for bs in reversed(self.batch_sizes):
             tokens = bs * self.tokens_per_seq
-            plan = self.backend.plan_for_capture(self.state, bs, tokens)
+            plan = self.backend.plan_for_capture(
+                self.state, bs, tokens, max_query_len=self.tokens_per_seq
+            )
             inputs = [x[:tokens] for x in self._static]
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -151,8 +153,9 @@ class GraphRunner:
             last = self._captured[-1]
             raise InvalidInputError(
                 "meta",
-                f"at most {last.batch_size} sequences and {last.num_tokens} tokens (largest capture)",
-                f"{b} sequences, {t} tokens",
+                f"at most {last.batch_size} sequences, {last.num_tokens} tokens and "
+                f"{self.tokens_per_seq} tokens per sequence (largest capture)",
+                f"{b} sequences, {t} tokens, up to {meta.max_query_len} per sequence",
                 "Capture a larger batch size or run this step eagerly",
             )
         for static, x in zip(self._static, inputs):

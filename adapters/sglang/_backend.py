@@ -195,7 +195,7 @@ class SGLangAttentionBackend:
             raise InvalidInputError(
                 "num_tokens", f"bs * tokens per row = {bs} * {per_row} = {bs * per_row}", num_tokens
             )
-        plan = self.backend.plan_for_capture(state, bs, num_tokens)
+        plan = self.backend.plan_for_capture(state, bs, num_tokens, max_query_len=per_row)
         self._graph_plans[(bs, per_row)] = plan
         self._plan = plan
 

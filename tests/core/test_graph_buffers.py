@@ -274,3 +274,25 @@ def test_captured_plan_matches_eager(padding_rows: bool) -> None:
         runs += 1
     assert runs >= 30
     assert pointers(state) == before
+
+
+def test_uniform_capture_bounds_query_length_by_tokens_per_row() -> None:
+    """A verify-style graph (3 tokens per row) is sized for 3-token queries, not 3 * bs - bs + 1."""
+    state = buffers()
+    captured = state.capture_metadata(batch_size=4, num_tokens=12, max_query_len=3)
+    assert captured.max_query_len == 3
+    assert captured.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    real = AttentionMetadata.from_seqlens([3], [7], [[1, 2]], page_size=P)
+    state.replay_update(captured, real)
+    assert captured.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    assert captured.seq_lens.tolist() == [7, 3, 3, 3]
+    captured.validate(KVCacheLayout(1, 8, P).allocate(8))
+    longer = AttentionMetadata.from_seqlens([4], [7], [[1, 2]], page_size=P)
+    with pytest.raises(InvalidMetadataError, match=r"^max_query_len: expected <= 3"):
+        state.replay_update(captured, longer)
+
+
+@pytest.mark.parametrize("bound", [2, 10])
+def test_capture_rejects_an_impossible_query_bound(bound: int) -> None:
+    with pytest.raises(InvalidInputError, match=r"^max_query_len: expected 3\.\.9 "):
+        buffers().capture_metadata(batch_size=4, num_tokens=12, max_query_len=bound)
