@@ -9,12 +9,13 @@ import torch
 
 from attnsdk._errors import InvalidInputError
 
-__all__ = ["FP8_KV_DTYPES", "KVCache", "KVCacheLayout", "KVOrder"]
+__all__ = ["COMPUTE_DTYPES", "FP8_KV_DTYPES", "KVCache", "KVCacheLayout", "KVOrder"]
 
 FP8_KV_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 """Storage dtypes that hold quantised K/V (dequantised with ``k_scale`` / ``v_scale``)."""
 
-_COMPUTE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+COMPUTE_DTYPES: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32})
+"""Dtypes of q, new k/v and the output (``KVCacheLayout.dtype``)."""
 
 
 class KVOrder(str, enum.Enum):
@@ -68,7 +69,7 @@ class KVCacheLayout:
             raise InvalidInputError(
                 "KVCacheLayout.order", "'NHD' or 'HND'", repr(self.order)
             ) from None
-        if self.dtype not in _COMPUTE_DTYPES:
+        if self.dtype not in COMPUTE_DTYPES:
             raise InvalidInputError(
                 "KVCacheLayout.dtype", "torch.float16, torch.bfloat16 or torch.float32", self.dtype
             )
@@ -214,14 +215,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) ->
         y = y / _broadcast_scale(scale, x.shape[-2])
     finfo = torch.finfo(dtype)
     return y.clamp(finfo.min, finfo.max).to(dtype)
-
-
-def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """fp32 view of stored K/V [..., Hkv, D]; fp8 multiplies by ``scale`` ([] / [1] / [Hkv])."""
-    y = x.float()
-    if x.dtype in FP8_KV_DTYPES and scale is not None:
-        y = y * _broadcast_scale(scale, x.shape[-2])
-    return y
 
 
 def _broadcast_scale(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

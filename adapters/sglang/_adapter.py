@@ -32,14 +32,13 @@ from attnsdk import (
     ReasonKind,
     UnsupportedConfigError,
 )
+from attnsdk._kv import COMPUTE_DTYPES
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 __all__ = ["Lengths", "SGLangAdapter", "StepKind", "step_kind"]
-
-_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class StepKind(enum.Enum):
@@ -232,7 +231,7 @@ class SGLangAdapter:
                     buf.shape[0],
                 )
         if dtype is None:
-            if k_buffer.dtype not in _COMPUTE_DTYPES:
+            if k_buffer.dtype not in COMPUTE_DTYPES:
                 raise InvalidInputError(
                     "dtype", f"the compute dtype for a {k_buffer.dtype} cache", None
                 )

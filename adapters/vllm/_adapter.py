@@ -34,7 +34,8 @@ __all__ = ["ENCODER_ONLY", "VLLMAdapter"]
 
 ENCODER_ONLY = "encoder_only"
 """``AttentionType.ENCODER_ONLY.value``: bidirectional attention (BERT-style), no causal mask."""
-_NON_CAUSAL_TYPES = frozenset({"encoder", "encoder_only"})
+NON_CAUSAL_TYPES = frozenset({"encoder", "encoder_only"})
+"""vLLM attention types that attend bidirectionally and keep no KV cache of their own."""
 
 
 class VLLMAdapter:
@@ -216,7 +217,7 @@ class VLLMAdapter:
             num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
             head_dim=head_size,
             scale=float(scale),
-            causal=causal and kind not in _NON_CAUSAL_TYPES,
+            causal=causal and kind not in NON_CAUSAL_TYPES,
             sliding_window=sliding_window,
             softcap=logits_soft_cap or None,
             has_sinks=has_sinks,

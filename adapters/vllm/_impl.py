@@ -19,7 +19,7 @@ from attnsdk import (
     ReasonKind,
     UnsupportedConfigError,
 )
-from attnsdk.adapters.vllm._adapter import VLLMAdapter
+from attnsdk.adapters.vllm._adapter import NON_CAUSAL_TYPES, VLLMAdapter
 from attnsdk.adapters.vllm._resolve import BackendSpec, resolve_backend
 
 if TYPE_CHECKING:
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from attnsdk.adapters.vllm._layout import VLLMKVLayout
 
 __all__ = ["AttnSDKAttentionImpl"]
-
-_ENCODER_TYPES = frozenset({"encoder", "encoder_only"})
 
 
 class AttnSDKAttentionImpl:
@@ -141,9 +139,9 @@ class AttnSDKAttentionImpl:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         q = _heads("query", query[:n], hq, d)
         out, out_is_view = _output_heads(output[:n], hq, d)
-        layer_spec = self._layers[attn_metadata.causal and self.attn_type not in _ENCODER_TYPES]
+        layer_spec = self._layers[attn_metadata.causal and self.attn_type not in NON_CAUSAL_TYPES]
         sinks = None if self.sinks is None else self.sinks.float()
-        if self.attn_type in _ENCODER_TYPES:
+        if self.attn_type in NON_CAUSAL_TYPES:
             if key is None or value is None:
                 raise InvalidInputError(
                     "key/value", "tensors (encoder attention has no KV cache)", None
@@ -191,7 +189,7 @@ class AttnSDKAttentionImpl:
         Uses ``KVCache.store``, whose boolean mask synchronises a CUDA device; the default path
         (``forward_includes_kv_cache_update``) stores through the backend instead.
         """
-        if self.attn_type in _ENCODER_TYPES or key is None or value is None:
+        if self.attn_type in NON_CAUSAL_TYPES or key is None or value is None:
             return
         if not self._writes_kv():
             return
