@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from attnsdk._errors import InvalidInputError
+from attnsdk._kv import KVCache
+from attnsdk._layer import LayerSpec
+from attnsdk._metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from attnsdk._capabilities import Capabilities, Reason
     from attnsdk._graph import GraphBuffers
-    from attnsdk._kv import KVCache, KVCacheLayout
-    from attnsdk._layer import LayerSpec
-    from attnsdk._metadata import AttentionMetadata
+    from attnsdk._kv import KVCacheLayout
 
 __all__ = ["Backend", "Plan", "check_forward_args"]
 
@@ -136,8 +137,28 @@ def check_forward_args(
 
     Raises ``InvalidInputError`` naming the argument before anything is written.
     """
+    if not isinstance(plan, Plan):
+        hint = (
+            "Pass backend.plan(metadata), made once per step, not the metadata itself"
+            if isinstance(plan, AttentionMetadata)
+            else ""
+        )
+        raise InvalidInputError("plan", "a Plan from backend.plan(metadata)", _kind(plan), hint)
+    if not isinstance(cache, KVCache):
+        raise InvalidInputError(
+            "cache", "a KVCache (KVCacheLayout.allocate or .wrap)", _kind(cache)
+        )
+    if not isinstance(layer, LayerSpec):
+        raise InvalidInputError("layer", "a LayerSpec", _kind(layer))
     layout = cache.layout
     meta = plan.metadata
+    if meta.page_size is not None and meta.page_size != layout.page_size:
+        raise InvalidInputError(
+            "plan.metadata.page_size",
+            f"{layout.page_size}, the cache's page size",
+            meta.page_size,
+            "The page table and slots were built for another page size",
+        )
     hq, hkv, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim
     if (layout.num_kv_heads, layout.head_dim, layout.v_dim) != (hkv, d, dv):
         raise InvalidInputError(
@@ -188,6 +209,10 @@ def check_forward_args(
             raise InvalidInputError(f"{name}.device", str(cache.device), scale.device)
     if meta.device != cache.device:
         raise InvalidInputError("plan.metadata.device", str(cache.device), meta.device)
+
+
+def _kind(value: object) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _tensor(

@@ -15,8 +15,10 @@ from typing import ClassVar
 import torch
 
 from attnsdk._backend import Plan
+from attnsdk._checks import check_int
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._metadata import AttentionMetadata
+from attnsdk._validate import check_metadata
 
 __all__ = ["GraphBuffers", "GraphHooks"]
 
@@ -43,17 +45,14 @@ class GraphBuffers:
         reserved_page: int = 0,
         seq_len_fill: int = 1,
     ) -> None:
-        for name, value in (
-            ("max_batch", max_batch),
-            ("max_tokens", max_tokens),
-            ("max_pages", max_pages),
-        ):
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidInputError(name, "a positive int", repr(value))
-        self.max_batch, self.max_tokens, self.max_pages = max_batch, max_tokens, max_pages
-        self.page_size = page_size
-        self.reserved_page = reserved_page
-        self.seq_len_fill = seq_len_fill
+        self.max_batch = check_int("max_batch", max_batch)
+        self.max_tokens = check_int("max_tokens", max_tokens)
+        self.max_pages = check_int("max_pages", max_pages)
+        self.page_size = check_int("page_size", page_size)
+        self.reserved_page = check_int("reserved_page", reserved_page, low=0)
+        self.seq_len_fill = check_int(
+            "seq_len_fill", seq_len_fill, low=0, high=max_pages * page_size
+        )
         dev = torch.device(device)
         i32 = torch.int32
         self.query_start_loc = torch.zeros(max_batch + 1, dtype=i32, device=dev)
@@ -81,15 +80,20 @@ class GraphBuffers:
             raise InvalidInputError(
                 "num_tokens", f"{batch_size}..max_tokens={self.max_tokens}", num_tokens
             )
-        loosest = num_tokens - batch_size + 1
+        # No row can hold more query tokens than keys its page-table row covers.
+        loosest = min(num_tokens - batch_size + 1, self.capacity)
         if max_query_len is None:
             max_query_len = loosest
-        elif not -(-num_tokens // batch_size) <= max_query_len <= loosest:
+        elif (
+            isinstance(max_query_len, bool)
+            or not isinstance(max_query_len, int)
+            or not -(-num_tokens // batch_size) <= max_query_len <= loosest
+        ):
             raise InvalidInputError(
                 "max_query_len",
                 f"{-(-num_tokens // batch_size)}..{loosest} for {num_tokens} tokens in "
-                f"{batch_size} rows",
-                max_query_len,
+                f"{batch_size} rows of at most max_pages * page_size = {self.capacity} keys",
+                repr(max_query_len),
             )
         self._pad(0, 0, batch_size, num_tokens, max_query_len)
         return AttentionMetadata(
@@ -101,8 +105,14 @@ class GraphBuffers:
             seq_lens_cpu=self.seq_lens_cpu[:batch_size],
             num_tokens=num_tokens,
             max_query_len=max_query_len,
-            max_seq_len=self.max_pages * self.page_size,
+            max_seq_len=self.capacity,
+            page_size=self.page_size,
         )
+
+    @property
+    def capacity(self) -> int:
+        """Keys one page-table row covers: ``max_pages * page_size``."""
+        return self.max_pages * self.page_size
 
     def replay_update(self, captured: AttentionMetadata, meta: AttentionMetadata) -> None:
         """Copy ``meta`` into the buffers that ``captured`` views and pad the remaining rows."""
@@ -115,6 +125,10 @@ class GraphBuffers:
         if meta.max_query_len > captured.max_query_len:
             raise InvalidMetadataError(
                 "max_query_len", f"<= {captured.max_query_len} (captured)", meta.max_query_len
+            )
+        if meta.page_size is not None and meta.page_size != self.page_size:
+            raise InvalidMetadataError(
+                "page_size", f"{self.page_size} (the graph buffers')", meta.page_size
             )
         if meta.max_seq_len > captured.max_seq_len:
             raise InvalidMetadataError(
@@ -134,7 +148,7 @@ class GraphBuffers:
 
     def _pad(self, b: int, t: int, bs: int, tokens: int, max_query_len: int) -> None:
         """Rows b..bs-1 share token rows t..tokens-1 evenly (the last also takes the remainder),
-        each at most ``max_query_len``."""
+        each at most ``max_query_len`` (which ``capture_metadata`` keeps within a row's pages)."""
         self.slot_mapping[t:tokens].fill_(-1)
         if b == bs:
             return
@@ -193,4 +207,5 @@ class GraphHooks:
                 if plan.graph is None
                 else type(plan).__name__,
             )
+        check_metadata(meta)
         plan.graph.replay_update(plan.metadata, meta)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnsdk._errors import InvalidInputError
+from attnsdk._checks import check_int
+from attnsdk._errors import InvalidInputError, InvalidMetadataError
 
 __all__ = ["COMPUTE_DTYPES", "FP8_KV_DTYPES", "KVCache", "KVCacheLayout", "KVOrder"]
 
@@ -54,15 +55,9 @@ class KVCacheLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "head_dim", "page_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidInputError(f"KVCacheLayout.{name}", "a positive int", repr(value))
-        if self.v_head_dim is not None and (
-            not isinstance(self.v_head_dim, int) or self.v_head_dim <= 0
-        ):
-            raise InvalidInputError(
-                "KVCacheLayout.v_head_dim", "a positive int or None", repr(self.v_head_dim)
-            )
+            check_int(f"KVCacheLayout.{name}", getattr(self, name))
+        if self.v_head_dim is not None:
+            check_int("KVCacheLayout.v_head_dim", self.v_head_dim)
         try:
             object.__setattr__(self, "order", KVOrder(self.order))
         except ValueError:
@@ -199,6 +194,15 @@ class KVCache:
         n = slot_mapping.shape[0]
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
+        capacity = self.num_pages * self.layout.page_size
+        if slots.numel() and int(slots.max()) >= capacity:
+            t = int(torch.nonzero(slot_mapping >= capacity)[0])
+            raise InvalidMetadataError(
+                f"slot_mapping[{t}]",
+                f"< num_pages * page_size = {capacity} (or < 0: no write)",
+                int(slot_mapping[t]),
+                "Nothing was written",
+            )
         page = slots // self.layout.page_size
         offset = slots % self.layout.page_size
         for cache, new, scale in ((self.k_nhd, k, k_scale), (self.v_nhd, v, v_scale)):

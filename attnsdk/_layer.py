@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attnsdk._checks import check_bool, check_int, check_positive_float
 from attnsdk._errors import InvalidInputError
 
 __all__ = ["LayerSpec"]
@@ -33,40 +34,39 @@ class LayerSpec:
     sliding_window: int | None = None
     """Hugging Face convention: the query at p sees keys max(0, p - W + 1)..p. None = no window."""
     softcap: float | None = None
-    """Scores (already scaled) become ``c * tanh(s / c)`` before softmax. None or 0 = off."""
+    """Scores (already scaled) become ``c * tanh(s / c)`` before softmax. None or 0 = off
+    (0 is stored as None)."""
     has_sinks: bool = False
     """The layer passes per-head fp32 ``sinks`` (an extra softmax logit without a value)."""
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidInputError(f"LayerSpec.{name}", "a positive int", repr(value))
-        if self.v_head_dim is not None and (
-            not isinstance(self.v_head_dim, int) or self.v_head_dim <= 0
-        ):
-            raise InvalidInputError(
-                "LayerSpec.v_head_dim", "a positive int or None", self.v_head_dim
-            )
+            check_int(f"LayerSpec.{name}", getattr(self, name))
+        if self.v_head_dim is not None:
+            check_int("LayerSpec.v_head_dim", self.v_head_dim)
         if self.num_heads % self.num_kv_heads:
             raise InvalidInputError(
                 "LayerSpec.num_heads",
                 f"a multiple of num_kv_heads={self.num_kv_heads}",
                 self.num_heads,
             )
-        if self.sliding_window is not None and (
-            not isinstance(self.sliding_window, int) or self.sliding_window < 1
-        ):
-            raise InvalidInputError(
-                "LayerSpec.sliding_window",
-                "None or an int >= 1 (Hugging Face convention: window size W)",
-                repr(self.sliding_window),
-                "SGLang's sliding_window_size is W-1; pass W = that + 1",
-            )
-        if self.softcap is not None and self.softcap < 0:
-            raise InvalidInputError("LayerSpec.softcap", "None or a value >= 0", self.softcap)
-        if self.scale is not None and not self.scale > 0:
-            raise InvalidInputError("LayerSpec.scale", "None or a value > 0", self.scale)
+        if self.scale is not None:
+            object.__setattr__(self, "scale", check_positive_float("LayerSpec.scale", self.scale))
+        check_bool("LayerSpec.causal", self.causal)
+        if self.sliding_window is not None:
+            try:
+                check_int("LayerSpec.sliding_window", self.sliding_window)
+            except InvalidInputError:
+                raise InvalidInputError(
+                    "LayerSpec.sliding_window",
+                    "None or an int >= 1 (Hugging Face convention: window size W)",
+                    repr(self.sliding_window),
+                    "SGLang's sliding_window_size is W-1; pass W = that + 1",
+                ) from None
+        if self.softcap is not None:
+            cap = check_positive_float("LayerSpec.softcap", self.softcap, allow_zero=True)
+            object.__setattr__(self, "softcap", cap or None)
+        check_bool("LayerSpec.has_sinks", self.has_sinks)
 
     @property
     def v_dim(self) -> int:

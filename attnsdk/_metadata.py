@@ -19,6 +19,8 @@ __all__ = ["AttentionMetadata"]
 
 IntsLike: TypeAlias = Sequence[int] | torch.Tensor
 
+_INT32_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -55,6 +57,9 @@ class AttentionMetadata:
     """Host int, >= every query length (equal to the max outside CUDA graphs)."""
     max_seq_len: int
     """Host int, >= every seq length (equal to the max outside CUDA graphs)."""
+    page_size: int | None = None
+    """P the page table and slot mapping were built for; a cache of another page size is
+    refused. None: not recorded (then the cache's page size is taken on trust)."""
 
     @property
     def num_seqs(self) -> int:
@@ -91,7 +96,7 @@ class AttentionMetadata:
             raise InvalidMetadataError(
                 "query_lens", f"one length per sequence ({s.shape[0]} like seq_lens)", q.shape[0]
             )
-        if not isinstance(page_size, int) or page_size <= 0:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidMetadataError("page_size", "a positive int", repr(page_size))
         _check_lengths(q, s)
         pt = torch.as_tensor(page_table, dtype=torch.int32)
@@ -126,6 +131,7 @@ class AttentionMetadata:
             num_tokens=int(qsl_cpu[-1]),
             max_query_len=int(q.max()) if q.numel() else 0,
             max_seq_len=int(s.max()) if s.numel() else 0,
+            page_size=page_size,
         )
 
     @classmethod
@@ -140,13 +146,29 @@ class AttentionMetadata:
         seq_lens_cpu: torch.Tensor,
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
+        page_size: int | None = None,
     ) -> AttentionMetadata:
         """Adopt an engine's tensors as they are (no copy when dtypes already match).
 
-        The host maxima default to the maxima of the host twins. No device sync.
+        The host maxima default to the maxima of the host twins. ``page_size`` records what the
+        page table and slots were built for (None: not recorded). Integer tensors only; host
+        values must fit int32. No device sync.
         """
-        qsl_cpu = query_start_loc_cpu.to(torch.int32)
-        s_cpu = seq_lens_cpu.to(torch.int32)
+        for name, t in (
+            ("query_start_loc", query_start_loc),
+            ("seq_lens", seq_lens),
+            ("page_table", page_table),
+            ("slot_mapping", slot_mapping),
+        ):
+            if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex():
+                found = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InvalidMetadataError(name, "an integer torch.Tensor", found)
+        qsl_cpu = _host_ints("query_start_loc_cpu", query_start_loc_cpu)
+        s_cpu = _host_ints("seq_lens_cpu", seq_lens_cpu)
+        if page_size is not None and (
+            isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0
+        ):
+            raise InvalidMetadataError("page_size", "a positive int or None", repr(page_size))
         q_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
         if max_query_len is None:
             max_query_len = int(q_cpu.max()) if q_cpu.numel() else 0
@@ -162,17 +184,22 @@ class AttentionMetadata:
             num_tokens=int(qsl_cpu[-1]),
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            page_size=page_size,
         )
 
-    def validate(self, layout_or_cache: KVCacheLayout | KVCache) -> AttentionMetadata:
+    def validate(
+        self, layout_or_cache: KVCacheLayout | KVCache, *, reserved_page: int | None = 0
+    ) -> AttentionMetadata:
         """Check every invariant (may sync the device); raise ``InvalidMetadataError`` on the first.
 
         Given a ``KVCache`` it also checks every page index against the cache's page count.
-        Returns ``self`` so it can be chained.
+        ``reserved_page`` (page 0, SGLang's padding page and vLLM's null block) may be read only
+        by padding rows, which read and write nothing else; None skips that check. Returns
+        ``self`` so it can be chained.
         """
         from attnsdk._validate import validate_metadata
 
-        validate_metadata(self, layout_or_cache)
+        validate_metadata(self, layout_or_cache, reserved_page)
         return self
 
 
@@ -191,12 +218,28 @@ def token_positions(
 
 
 def _host_ints(field: str, values: IntsLike) -> torch.Tensor:
-    if isinstance(values, torch.Tensor) and values.is_floating_point():
-        raise InvalidMetadataError(field, "integers", values.dtype)
-    t = torch.as_tensor(values).to("cpu", torch.int32)
+    """(n,) int32 CPU tensor of host ints; floats, bools and values past int32 are refused."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise InvalidMetadataError(f"{field}.device", "cpu (host ints)", values.device)
+        t = values
+    else:
+        try:
+            t = torch.as_tensor(values)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidMetadataError(field, "a 1-D sequence of ints", repr(values)) from exc
+    if t.numel() == 0 and not isinstance(values, torch.Tensor):
+        t = t.to(torch.int32)  # torch reads [] as float32
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise InvalidMetadataError(field, "integers", t.dtype)
     if t.dim() != 1:
         raise InvalidMetadataError(field, "a 1-D sequence of ints", tuple(t.shape))
-    return t
+    if t.dtype != torch.int32 and t.numel():
+        big = (t > _INT32_MAX) | (t < -_INT32_MAX - 1)
+        if bool(big.any()):
+            i = int(torch.nonzero(big)[0])
+            raise InvalidMetadataError(f"{field}[{i}]", "a value that fits int32", int(t[i]))
+    return t.to(torch.int32)
 
 
 def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:

@@ -16,56 +16,86 @@ if TYPE_CHECKING:
 _CPU = torch.device("cpu")
 
 
-def validate_metadata(meta: AttentionMetadata, layout_or_cache: KVCacheLayout | KVCache) -> None:
+def check_metadata(meta: AttentionMetadata, page_size: int | None = None) -> None:
+    """The host-only invariants (no device sync, a few microseconds): what ``plan`` checks.
+
+    Types, dtypes and shapes of every field, the host twins' lengths (``query_start_loc`` starts
+    at 0 and never decreases, every ``seq_len`` covers its query, the host maxima are upper
+    bounds), and that the page table is wide enough for ``max_seq_len`` at the page size.
+    Device values (page ids, slots) are left to ``validate`` and to the kernels' guards.
+    """
+    _check_tensors(meta, None)
+    _check_scalars(meta)
+    qsl = meta.query_start_loc_cpu
+    if qsl.shape[0] and int(qsl[0]) != 0:
+        raise InvalidMetadataError("query_start_loc[0]", "0", int(qsl[0]))
+    qlen = qsl[1:] - qsl[:-1]
+    _first_bad("query_start_loc", qlen < 0, "non-decreasing", qsl[1:], offset=1)
+    owned = int(qsl[-1]) if qsl.shape[0] else 0
+    if meta.num_tokens < owned:
+        raise InvalidMetadataError("num_tokens", f">= query_start_loc[-1]={owned}", meta.num_tokens)
+    if meta.slot_mapping.shape[0] < meta.num_tokens:
+        raise InvalidMetadataError(
+            "slot_mapping",
+            f"at least num_tokens={meta.num_tokens} entries",
+            meta.slot_mapping.shape[0],
+        )
+    seq = meta.seq_lens_cpu
+    _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
+    if qlen.numel():
+        longest_q, longest_s = int(qlen.max()), int(seq.max())
+        if meta.max_query_len < longest_q:
+            raise InvalidMetadataError("max_query_len", f">= {longest_q}", meta.max_query_len)
+        if meta.max_seq_len < longest_s:
+            raise InvalidMetadataError("max_seq_len", f">= {longest_s}", meta.max_seq_len)
+    if page_size is not None and meta.page_size is not None and meta.page_size != page_size:
+        raise InvalidMetadataError(
+            "page_size",
+            f"{page_size}, the cache's page size",
+            meta.page_size,
+            "The page table and slot mapping were built for another page size",
+        )
+    p = page_size or meta.page_size
+    if p is not None and meta.num_seqs:
+        longest = int(seq.max())
+        if meta.page_table.shape[1] * p < longest:
+            b = int(torch.argmax(seq))
+            raise InvalidMetadataError(
+                "page_table",
+                f"at least {-(-longest // p)} columns for seq_lens[{b}]={longest} at page_size {p}",
+                f"{meta.page_table.shape[1]} columns",
+            )
+
+
+def validate_metadata(
+    meta: AttentionMetadata,
+    layout_or_cache: KVCacheLayout | KVCache | int,
+    reserved_page: int | None = 0,
+) -> None:
+    """Every invariant of ``meta`` for a cache layout, a cache (page ids checked against its
+    size too) or a bare page size. May sync the device."""
     if isinstance(layout_or_cache, KVCache):
-        layout, num_pages = layout_or_cache.layout, layout_or_cache.num_pages
+        page_size, num_pages = layout_or_cache.layout.page_size, layout_or_cache.num_pages
         cache_device: torch.device | None = layout_or_cache.device
     elif isinstance(layout_or_cache, KVCacheLayout):
-        layout, num_pages, cache_device = layout_or_cache, None, None
+        page_size, num_pages, cache_device = layout_or_cache.page_size, None, None
+    elif isinstance(layout_or_cache, int) and not isinstance(layout_or_cache, bool):
+        page_size, num_pages, cache_device = layout_or_cache, None, None
     else:
         raise InvalidMetadataError(
             "layout_or_cache", "a KVCacheLayout or KVCache", type(layout_or_cache).__name__
         )
     _check_tensors(meta, cache_device)
-    qsl = meta.query_start_loc_cpu.long()
-    seq = meta.seq_lens_cpu.long()
+    check_metadata(meta, page_size)
     _check_host_twins(meta)
-
-    if int(qsl[0]) != 0:
-        raise InvalidMetadataError("query_start_loc[0]", "0", int(qsl[0]))
-    qlen = qsl[1:] - qsl[:-1]
-    _first_bad("query_start_loc", qlen < 0, "non-decreasing", qsl[1:], offset=1)
+    qsl = meta.query_start_loc_cpu.long()
     owned = int(qsl[-1])
-    if meta.num_tokens < owned:
-        raise InvalidMetadataError("num_tokens", f">= query_start_loc[-1]={owned}", meta.num_tokens)
-    _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
-    if qlen.numel():
-        if meta.max_query_len < int(qlen.max()):
-            raise InvalidMetadataError("max_query_len", f">= {int(qlen.max())}", meta.max_query_len)
-        if meta.max_seq_len < int(seq.max()):
-            raise InvalidMetadataError("max_seq_len", f">= {int(seq.max())}", meta.max_seq_len)
 
-    page_size = layout.page_size
-    pt = meta.page_table.to(_CPU).long()
-    pages_needed = (seq + page_size - 1) // page_size
-    width = int(pages_needed.max()) if pages_needed.numel() else 0
-    if width > pt.shape[1]:
-        b = int(torch.argmax(pages_needed))
-        raise InvalidMetadataError(
-            "page_table",
-            f"at least {width} columns for seq_lens[{b}]={int(seq[b])} at page_size {page_size}",
-            f"{pt.shape[1]} columns",
-        )
-    used = torch.arange(pt.shape[1]) < pages_needed[:, None]
-    _first_bad_2d("page_table", (pt < 0) & used, ">= 0", pt)
-    if num_pages is not None:
-        _first_bad_2d("page_table", (pt >= num_pages) & used, f"< num_pages={num_pages}", pt)
+    pt, used = check_pages(meta, page_size, num_pages)
 
     slots = meta.slot_mapping.to(_CPU)
-    if slots.shape[0] < meta.num_tokens:
-        raise InvalidMetadataError(
-            "slot_mapping", f"at least num_tokens={meta.num_tokens} entries", slots.shape[0]
-        )
+    if reserved_page is not None:
+        _check_reserved_page(meta, pt, used, slots, reserved_page, page_size)
     _first_bad(
         "slot_mapping",
         slots[owned:] >= 0,
@@ -127,6 +157,64 @@ def _check_tensors(meta: AttentionMetadata, cache_device: torch.device | None) -
             raise InvalidMetadataError(f"{name}.device", str(expected_device), t.device)
     if cache_device is not None and device != cache_device:
         raise InvalidMetadataError("seq_lens.device", f"the cache's device {cache_device}", device)
+
+
+def check_pages(
+    meta: AttentionMetadata, page_size: int, num_pages: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every page a sequence reads is in 0..num_pages-1 (syncs to read the page table).
+
+    Returns the page table on the CPU (int64) and the mask of the entries sequences read.
+    """
+    pt = meta.page_table.to(_CPU).long()
+    pages_needed = (meta.seq_lens_cpu.long() + page_size - 1) // page_size
+    used = torch.arange(pt.shape[1]) < pages_needed[:, None]
+    _first_bad_2d("page_table", (pt < 0) & used, ">= 0", pt)
+    if num_pages is not None:
+        _first_bad_2d("page_table", (pt >= num_pages) & used, f"< num_pages={num_pages}", pt)
+    return pt, used
+
+
+def _check_reserved_page(
+    meta: AttentionMetadata,
+    pt: torch.Tensor,
+    used: torch.Tensor,
+    slots: torch.Tensor,
+    reserved: int,
+    page_size: int,
+) -> None:
+    """Only padding rows may read the reserved page: rows that read nothing else and write
+    nowhere else (SGLang's graph padding writes its one token there)."""
+    on_reserved = (pt == reserved) & used
+    rows = torch.nonzero(on_reserved.any(1)).flatten().tolist()
+    if not rows:
+        return
+    qsl = meta.query_start_loc_cpu.tolist()
+    for b in rows:
+        other_page = bool(((pt[b] != reserved) & used[b]).any())
+        written = slots[qsl[b] : qsl[b + 1]]
+        written = written[written >= 0]
+        other_slot = bool(((written // page_size) != reserved).any())
+        if other_page or other_slot:
+            i = int(torch.nonzero(on_reserved[b])[0])
+            raise InvalidMetadataError(
+                f"page_table[{b}, {i}]",
+                f"a page other than the reserved page {reserved} (sequence {b} is not a padding "
+                "row: it reads or writes other pages too)",
+                reserved,
+                "Never give the reserved page to a real sequence; validate(..., reserved_page=None)"
+                " turns this check off",
+            )
+
+
+def _check_scalars(meta: AttentionMetadata) -> None:
+    for name in ("num_tokens", "max_query_len", "max_seq_len"):
+        value = getattr(meta, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidMetadataError(name, "a host int >= 0", repr(value))
+    p = meta.page_size
+    if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
+        raise InvalidMetadataError("page_size", "a positive int or None", repr(p))
 
 
 def _check_host_twins(meta: AttentionMetadata) -> None:

@@ -22,6 +22,7 @@ from attnsdk._capabilities import (
 )
 from attnsdk._graph import GraphHooks
 from attnsdk._kv import FP8_KV_DTYPES, KVOrder
+from attnsdk._validate import check_metadata, check_pages
 
 if TYPE_CHECKING:
     from attnsdk._kv import KVCache, KVCacheLayout
@@ -74,6 +75,7 @@ class ReferenceBackend(GraphHooks):
         return capability_reasons(self.capabilities, layer, layout, device or "cpu")
 
     def plan(self, meta: AttentionMetadata) -> Plan:
+        check_metadata(meta)
         return Plan(meta)
 
     def forward(
@@ -94,6 +96,8 @@ class ReferenceBackend(GraphHooks):
             q, k, v, cache, plan, layer, sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out
         )
         meta = plan.metadata
+        # The oracle may sync: every page it will read is checked before anything is written.
+        check_pages(meta, cache.layout.page_size, cache.num_pages)
         if k is not None and v is not None:
             t = meta.num_tokens
             cache.store(k[:t], v[:t], meta.slot_mapping[:t], k_scale=k_scale, v_scale=v_scale)
@@ -110,10 +114,7 @@ class ReferenceBackend(GraphHooks):
         ws_v = torch.empty(layer.num_kv_heads, longest, layer.v_dim, device=q.device)
         for b, seq_len in enumerate(seq_lens):
             q0, q1 = qsl[b], qsl[b + 1]
-            if q1 > q0 and seq_len == 0:
-                # A padding row with tokens but no keys (DESIGN §2 allows seq_len 0): zeros.
-                out[q0:q1] = 0
-            elif q1 > q0:
+            if q1 > q0:
                 p = cache.layout.page_size
                 pages = meta.page_table[b, : (seq_len + p - 1) // p].long()
                 kb = _head_major(cache.k_nhd, pages, seq_len, k_scale, ws_k)

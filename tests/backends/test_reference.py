@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import assert_same_bits, run_oracle, to_nhd
 
-from attnsdk import AttentionMetadata, KVCacheLayout, LayerSpec
+from attnsdk import AttentionMetadata, InvalidMetadataError, KVCacheLayout, LayerSpec
 from attnsdk.backends.reference import ReferenceBackend, ReferenceOptions
 from attnsdk.testing import Batch, BatchSpec, assert_close_to_reference, make_batch
 from attnsdk.testing.strategies import batch_specs, page_orders
@@ -293,32 +294,18 @@ def _raw_metadata(
 
 
 @pytest.mark.parametrize(
-    "layer_kwargs",
-    [{}, {"has_sinks": True}, {"sliding_window": 2, "causal": False}, {"softcap": 1.0}],
-    ids=["causal", "sinks", "noncausal-window", "softcap"],
+    ("query_lens", "seq_lens", "field"),
+    [([2, 3, 2], [5, 1, 3], "seq_lens[1]"), ([2, 1, 2], [5, 0, 3], "seq_lens[1]")],
+    ids=["queries-before-position-0", "tokens-without-keys"],
 )
-def test_rows_without_visible_keys_are_zero(layer_kwargs: dict[str, object]) -> None:
-    """Queries before position 0 (more query rows than keys) and seq_len-0 padding rows with
-    tokens (DESIGN §2) see no key: they output zeros, never NaN, and real rows are unaffected."""
-    layer, layout = layer_and_layout(page_size=4, **layer_kwargs)  # type: ignore[arg-type]
-    query_lens, seq_lens = [2, 3, 1, 2], [5, 1, 0, 3]
-    meta = _raw_metadata(query_lens, seq_lens, [[1, 2], [3, 0], [0, 0], [4, 0]])
-    gen = torch.Generator().manual_seed(0)
-    cache = layout.wrap(
-        torch.randn(6, 4, 2, 16, generator=gen), torch.randn(6, 4, 2, 16, generator=gen)
-    )
-    q = torch.randn(8, 4, 16, generator=gen)
-    sinks = torch.randn(4, generator=gen) if layer.has_sinks else None
-    out = torch.full((8, 4, 16), float("nan"))
-    reference.forward(q, None, None, cache, reference.plan(meta), layer, sinks=sinks, out=out)
-    batch = Batch(BatchSpec((0,), (0,)), layer, meta, cache, q, q[:, :2], q[:, :2], sinks)
-    expected, _, _ = run_oracle(batch, write=False)
-    assert_close_to_reference(out, expected.float(), atol=2e-5, rtol=2e-5)
-    assert torch.isfinite(out).all()
-    assert (out[5] == 0).all()  # seq_len 0: no key at all
-    if layer.causal:
-        assert (out[2:4] == 0).all()  # positions -2 and -1 of the second sequence
-        assert (out[4] != 0).any()
+def test_queries_without_keys_are_refused(
+    query_lens: list[int], seq_lens: list[int], field: str
+) -> None:
+    """A row with more query tokens than keys would put queries before position 0 (or see no
+    key at all): ``plan`` refuses it on the host, before any layer runs."""
+    meta = _raw_metadata(query_lens, seq_lens, [[1, 2], [3, 0], [4, 0]])
+    with pytest.raises(InvalidMetadataError, match=rf"^{re.escape(field)}: expected >= "):
+        reference.plan(meta)
 
 
 # --- hypothesis: random batches and random layers ----------------------------------------------

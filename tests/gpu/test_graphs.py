@@ -58,12 +58,9 @@ def test_replay_equals_eager(precompute: bool, tokens_per_seq: int) -> None:
     free_pages = list(range(1, num_pages))
     for step in range(25):
         b = r.randint(1, 16)
-        # Mixed rows: any query length as long as the batch fits the captured token count.
-        budget = b * tokens_per_seq
-        q_lens = [1] * b
-        for i in r.sample(range(b), k=b):
-            extra = r.randint(0, budget - sum(q_lens))
-            q_lens[i] += extra
+        # Mixed rows: any query length up to the captured tokens per row (the runner refuses
+        # longer rows: the graph's kernels were sized for that many).
+        q_lens = [r.randint(1, tokens_per_seq) for _ in range(b)]
         if r.random() < 0.2:
             q_lens[r.randrange(b)] = 0  # an idle row
         seq = [q + r.randint(0, 300) for q in q_lens]

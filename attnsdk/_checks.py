@@ -1,0 +1,46 @@
+"""Small argument checks shared by the records (``LayerSpec``, ``KVCacheLayout``, ...).
+
+Each raises ``InvalidInputError`` naming the field, what was expected and what was found. A
+``bool`` is never accepted as a number (Python counts it as an int), and floats must be finite.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from attnsdk._errors import InvalidInputError
+
+__all__ = ["check_bool", "check_int", "check_positive_float"]
+
+INT32_MAX = 2**31 - 1
+
+
+def check_int(field: str, value: object, *, low: int = 1, high: int = INT32_MAX) -> int:
+    """``value`` as an int in ``low..high``; bools, floats and strings are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidInputError(field, f"an int in {low}..{high}", repr(value))
+    if not low <= int(value) <= high:
+        raise InvalidInputError(field, f"an int in {low}..{high}", int(value))
+    return int(value)
+
+
+def check_bool(field: str, value: object) -> bool:
+    """``value`` if it is a bool (``causal="no"`` would otherwise read as True)."""
+    if not isinstance(value, bool):
+        raise InvalidInputError(field, "True or False", repr(value))
+    return value
+
+
+def check_positive_float(field: str, value: object, *, allow_zero: bool = False) -> float:
+    """A finite real number > 0 (>= 0 with ``allow_zero``); inf, NaN and bools are refused."""
+    ok = (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+        and (float(value) >= 0 if allow_zero else float(value) > 0)
+    )
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise InvalidInputError(field, f"a finite number {bound}", repr(value))
+    return float(value)  # type: ignore[arg-type]
