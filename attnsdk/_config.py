@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
-from attnsdk._errors import UnsupportedConfigError
+from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,28 +46,21 @@ class AttentionConfig(BaseModel):
 
     backend: str = "auto"
     options: SerializeAsAny[BaseModel] = Field(default_factory=AutoOptions)
+    debug: bool = False
+    """Debug mode (also ``ATTNSDK_DEBUG=1``): validate every plan and forward, check outputs
+    for NaN. It syncs the device on every layer; docs/debugging.md says when to use it."""
 
-    @model_validator(mode="before")
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**_prepare(data))
+
     @classmethod
-    def _split_options(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        backend = data.pop("backend", "auto")
-        nested = data.pop("options", None)
-        if nested is not None and data:
-            raise ValueError(
-                f"give backend options either flat or under 'options', not both (found {sorted(data)})"
-            )
-        options = nested if nested is not None else data
-        model = _options_model(backend)
-        if isinstance(options, model):
-            return {"backend": backend, "options": options}
-        if isinstance(options, BaseModel):
-            raise ValueError(
-                f"options for backend {backend!r} must be {model.__name__}, found {type(options).__name__}"
-            )
-        return {"backend": backend, "options": model.model_validate(options)}
+    def model_validate(cls, obj: Any) -> AttentionConfig:  # type: ignore[override]
+        """Build from a mapping; every problem is an ``InvalidInputError`` naming the field."""
+        if isinstance(obj, cls):
+            return obj
+        if not isinstance(obj, dict):
+            raise InvalidInputError("config", "a mapping of backend, options, debug", repr(obj))
+        return cls(**obj)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> AttentionConfig:
@@ -90,8 +84,12 @@ class AttentionConfig(BaseModel):
             raise UnsupportedConfigError(
                 f"attention config file {p.name!r}: expected a mapping, found {type(data).__name__}"
             )
-        _check_backend_name(data.get("backend", "auto"))
-        return cls.model_validate(data)
+        try:
+            return cls.model_validate(data)
+        except InvalidInputError as exc:
+            where = f"In attention config file {str(p)!r}"
+            hint = f"{exc.hint} {where}" if exc.hint else where
+            raise InvalidInputError(exc.field, exc.expected, exc.found, hint) from None
 
     @classmethod
     def from_env(cls) -> AttentionConfig:
@@ -108,21 +106,58 @@ class AttentionConfig(BaseModel):
             return config
         if not name:
             return cls()
-        _check_backend_name(name)
         return cls(backend=name)
 
 
-def _check_backend_name(backend: Any) -> None:
-    """Raise ``UnsupportedConfigError`` (not pydantic's wrapper of it) for an unknown name."""
-    if isinstance(backend, str) and backend != "auto":
-        from attnsdk._registry import lookup
-
-        lookup(backend)
-
-
-def _options_model(backend: Any) -> type[BaseModel]:
+def _prepare(data: dict[str, Any]) -> dict[str, Any]:
+    """Split flat options from ``backend`` / ``debug`` and validate them with the backend's own
+    options model, raising attnsdk's typed errors instead of pydantic's."""
+    data = dict(data)
+    backend = data.pop("backend", "auto")
+    debug = data.pop("debug", False)
+    nested = data.pop("options", None)
     if not isinstance(backend, str):
-        raise ValueError(f"backend must be a string, found {type(backend).__name__}")
+        raise InvalidInputError("backend", "a backend name (str)", repr(backend))
+    if not isinstance(debug, bool):
+        raise InvalidInputError("debug", "True or False", repr(debug))
+    if nested is not None and data:
+        raise InvalidInputError(
+            "options", "backend options either flat or under 'options', not both", sorted(data)
+        )
+    options = nested if nested is not None else data
+    model = _options_model(backend)
+    if isinstance(options, BaseModel):
+        if not isinstance(options, model):
+            raise InvalidInputError(
+                "options", f"a {model.__name__} (backend {backend!r})", type(options).__name__
+            )
+        return {"backend": backend, "options": options, "debug": debug}
+    if not isinstance(options, dict):
+        raise InvalidInputError("options", f"a mapping or a {model.__name__}", repr(options))
+    try:
+        validated = model.model_validate(options)
+    except ValidationError as exc:
+        raise _option_error(exc, model, backend) from None
+    return {"backend": backend, "options": validated, "debug": debug}
+
+
+def _option_error(exc: ValidationError, model: type[BaseModel], backend: str) -> InvalidInputError:
+    """The first problem pydantic found, as a typed error naming the option."""
+    err = exc.errors()[0]
+    name = ".".join(str(part) for part in err["loc"])
+    known = sorted(model.model_fields)
+    if err["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"Did you mean {close[0]!r}?" if close else ""
+        expected = f"an option of backend {backend!r}: {', '.join(known) or 'none'}"
+        return InvalidInputError(f"options.{name}", expected, f"unknown option {name!r}", hint)
+    more = f" ({len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
+    return InvalidInputError(
+        f"options.{name}", f"a valid value ({err['msg']}){more}", repr(err.get("input"))
+    )
+
+
+def _options_model(backend: str) -> type[BaseModel]:
     if backend == "auto":
         return AutoOptions
     from attnsdk._registry import lookup

@@ -58,6 +58,7 @@ class _FieldError(AttnSDKError, ValueError):
         self.field = field
         self.expected = expected
         self.found = found
+        self.hint = hint
         message = f"{field}: expected {expected}, found {found}"
         if hint:
             message += f". {hint}"

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from attnsdk._capabilities import Capabilities, Reason, ReasonKind, capability_reasons
-from attnsdk._errors import AttnSDKError, BackendUnavailableError, UnsupportedConfigError
+from attnsdk._debug import debug_enabled, wrap_debug
+from attnsdk._errors import (
+    AttnSDKError,
+    BackendUnavailableError,
+    InvalidInputError,
+    UnsupportedConfigError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -49,12 +55,31 @@ Factory = Callable[[Any], "Backend"]
 class _Entry:
     name: str
     target: Factory | str
-    priority: int
+    priority: int | None
+    """None (entry-point plugins): the factory's ``priority`` attribute, read on first use."""
     options: type[BaseModel] | str | None
     """None: the factory's ``Options`` attribute, else ``NoOptions``."""
 
     def factory(self) -> Any:
         return _resolve(self.target)
+
+    def resolved_priority(self) -> int:
+        """The priority; a plugin's is read from its class (imported outside the lock)."""
+        if self.priority is not None:
+            return self.priority
+        try:
+            value = getattr(self.factory(), "priority", 0)
+        except Exception as exc:  # a broken plugin is reported when it is used
+            _warn_once(self.name, f"attnsdk: backend plugin {self.name!r} cannot be loaded: {exc}")
+            return 0
+        if isinstance(value, bool) or not isinstance(value, int):
+            _warn_once(
+                self.name,
+                f"attnsdk: backend plugin {self.name!r} has priority {value!r}, not an int; "
+                "using 0",
+            )
+            return 0
+        return value
 
     def options_model(self) -> type[BaseModel]:
         if self.options is None:
@@ -91,6 +116,7 @@ _LOCK = threading.RLock()
 _REGISTRY: dict[str, _Entry] = {}
 _PLUGINS_LOADED = False
 _LOGGED_AUTO: set[str] = set()
+_WARNED: set[str] = set()
 
 
 def register_backend(
@@ -121,9 +147,25 @@ def register_backend(
         raise UnsupportedConfigError(
             f"cannot register a backend named {name!r}: pick a non-empty name other than 'auto'"
         )
+    if isinstance(factory, str):
+        _check_path("factory", factory)
+    elif not callable(factory):
+        raise InvalidInputError(
+            "factory", "a callable (options) -> Backend or a 'module:attr' path", repr(factory)
+        )
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidInputError("priority", "an int (higher wins in 'auto')", repr(priority))
+    if isinstance(options, str):
+        _check_path("options", options)
+    elif options is not None and not (isinstance(options, type) and issubclass(options, BaseModel)):
+        raise InvalidInputError(
+            "options", "None, a pydantic model class or a 'module:attr' path", repr(options)
+        )
+    if not isinstance(replace, bool):
+        raise InvalidInputError("replace", "True or False", repr(replace))
     entry = _Entry(name, factory, priority, options)
+    _load_plugins()
     with _LOCK:
-        _load_plugins()
         if name in _REGISTRY and not replace:
             raise UnsupportedConfigError(
                 f"a backend named {name!r} is already registered; pass replace=True to override it"
@@ -139,8 +181,10 @@ def backend_names() -> list[str]:
 
 def lookup(name: str) -> _Entry:
     """The registry entry for ``name``; an unknown name lists the known ones and the closest."""
+    if not isinstance(name, str):
+        raise InvalidInputError("backend", "a backend name (str)", repr(name))
+    _load_plugins()
     with _LOCK:
-        _load_plugins()
         entry = _REGISTRY.get(name)
     if entry is None:
         known = sorted(_REGISTRY)
@@ -172,11 +216,37 @@ def create_backend(
         if config != "auto":  # before AttentionConfig, which resolves the options model
             _check_can_run(lookup(config), device)
         config = AttentionConfig(backend=config)
+    elif not isinstance(config, AttentionConfig):
+        raise InvalidInputError(
+            "config", "a backend name, an AttentionConfig or None", repr(config)
+        )
     if config.backend == "auto":
-        return _create_auto(config, device)
-    entry = lookup(config.backend)
-    _check_can_run(entry, device)
-    backend: Backend = entry.factory()(config.options)
+        backend = _create_auto(config, device)
+    else:
+        entry = lookup(config.backend)
+        _check_can_run(entry, device)
+        backend = _create(entry, config.options)
+    return wrap_debug(backend) if debug_enabled(config) else backend
+
+
+def _create(entry: _Entry, options: BaseModel) -> Backend:
+    """Call the factory; anything but a Backend, or an unexpected exception, is an AttnSDKError."""
+    try:
+        backend = entry.factory()(options)
+    except AttnSDKError:
+        raise
+    except Exception as exc:
+        raise UnsupportedConfigError(
+            f"backend {entry.name!r} failed to start:",
+            [Reason(ReasonKind.ENVIRONMENT, "create", f"{type(exc).__name__}: {exc}")],
+        ) from exc
+    from attnsdk._backend import Backend
+
+    if not isinstance(backend, Backend):
+        raise UnsupportedConfigError(
+            f"backend {entry.name!r}: its factory returned {type(backend).__name__}, not an "
+            "object with the attnsdk.Backend methods (name, capabilities, plan, forward, ...)"
+        )
     return backend
 
 
@@ -242,9 +312,8 @@ def _create_auto(config: AttentionConfig, device: torch.device | str | None) -> 
         if reasons:
             skipped[entry.name] = reasons
             continue
-        options = entry.options_model()()
         try:
-            backend: Backend = entry.factory()(options)
+            backend = _create(entry, entry.options_model()())
         except (AttnSDKError, ImportError) as exc:
             # Its environment looked fine but creating it failed (e.g. an unusable kernel build):
             # that is one more backend "auto" cannot use, reported with the others.
@@ -266,10 +335,12 @@ def _create_auto(config: AttentionConfig, device: torch.device | str | None) -> 
 
 
 def _entries() -> list[_Entry]:
+    _load_plugins()
     with _LOCK:
-        _load_plugins()
         entries = list(_REGISTRY.values())
-    return sorted(entries, key=lambda e: (-e.priority, e.name))
+    # Plugin priorities import the plugin: outside the lock, so a plugin that registers more
+    # backends while it is imported (on another thread, too) cannot deadlock with a lookup.
+    return sorted(entries, key=lambda e: (-e.resolved_priority(), e.name))
 
 
 def _resolve(target: Any) -> Any:
@@ -280,6 +351,9 @@ def _resolve(target: Any) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+_BUILTINS = frozenset({"reference", "fa3"})
 
 
 def _register_builtins() -> None:
@@ -295,24 +369,41 @@ def _register_builtins() -> None:
 
 
 def _load_plugins() -> None:
-    """Add entry-point backends (``[project.entry-points."attnsdk.backends"]``) once."""
+    """Add entry-point backends (``[project.entry-points."attnsdk.backends"]``) once.
+
+    Reading entry points imports no plugin: their modules load on first use, outside the lock.
+    A plugin named like a built-in is ignored with a warning.
+    """
     global _PLUGINS_LOADED
-    if _PLUGINS_LOADED:
-        return
-    _PLUGINS_LOADED = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in _REGISTRY:
-            continue
-        target = ep.value
-        _REGISTRY[ep.name] = _Entry(ep.name, target, _plugin_attr(target, "priority", 0), None)
+    with _LOCK:
+        if _PLUGINS_LOADED:
+            return
+        _PLUGINS_LOADED = True
+    found = list(entry_points(group=ENTRY_POINT_GROUP))  # metadata only, no plugin import
+    with _LOCK:
+        for ep in found:
+            if ep.name in _BUILTINS:
+                _warn_once(
+                    ep.name,
+                    f"attnsdk: ignoring backend entry point {ep.name!r} = {ep.value}: "
+                    f"{ep.name!r} is a built-in backend",
+                )
+                continue
+            _REGISTRY.setdefault(ep.name, _Entry(ep.name, ep.value, None, None))
 
 
-def _plugin_attr(target: str, name: str, default: int) -> int:
-    try:
-        return int(getattr(_resolve(target), name, default))
-    except Exception:  # a broken plugin is reported when it is used, not at listing time
-        logger.warning("attnsdk: could not load backend entry point %s", target, exc_info=True)
-        return default
+def _check_path(field: str, path: str) -> None:
+    module, sep, attr = path.partition(":")
+    if not (module and sep and attr):
+        raise InvalidInputError(field, "a 'module:attr' path", repr(path))
+
+
+def _warn_once(key: str, message: str) -> None:
+    with _LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    logger.warning(message)
 
 
 _register_builtins()

@@ -1,24 +1,27 @@
-"""A sync-free paged K/V store: one Triton launch writes K and V of every new token.
+"""A sync-free, bounds-checked paged K/V store: one Triton launch writes K and V of every token.
 
 ``KVCache.store`` selects valid slots with a boolean mask, which makes the host wait for the
 device; under CUDA graphs that is not even capturable. Here each program handles one token row:
 it reads the slot, returns early when it is negative (padding), and writes all KV heads of K and
-V, quantising to fp8 with a per-tensor or per-head scale on the way. Strides come from the cache
-views, so NHD, HND and packed K‖V caches all work.
+V, quantising to fp8 with a per-tensor or per-head scale on the way. Strides come from the
+tensors, so NHD, HND and packed K‖V caches and non-contiguous new K/V all work.
+
+A slot past the cache is never written: the program records it in a device flag
+(``SlotGuard``) instead, which the backend reports as ``InvalidMetadataError`` without a device
+sync at a later ``plan`` (at once in debug mode).
 """
 # mypy: disable-error-code="no-untyped-def"
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from attnsdk._errors import BackendUnavailableError
+import torch
+
+from attnsdk._errors import BackendUnavailableError, InvalidMetadataError
 
 logger = logging.getLogger("attnsdk")
-
-if TYPE_CHECKING:
-    import torch
 
 try:
     import triton  # type: ignore[import-not-found, unused-ignore]
@@ -26,7 +29,7 @@ try:
 except ImportError:  # CPU-only torch ships without Triton; fa3 cannot run there anyway
     triton = None
 
-__all__ = ["store_kv"]
+__all__ = ["SlotGuard", "store_kv"]
 
 
 if triton is not None:
@@ -42,8 +45,10 @@ if triton is not None:
         v_scale,
         k_row,
         k_head,
+        k_dim,
         v_row,
         v_head,
+        v_dim,
         kc_page,
         kc_off,
         kc_head,
@@ -53,6 +58,8 @@ if triton is not None:
         k_scale_head,
         v_scale_head,
         page_size,
+        num_slots,
+        bad_slot,
         fp8_max,
         HKV: tl.constexpr,
         D: tl.constexpr,
@@ -68,6 +75,9 @@ if triton is not None:
         slot = tl.load(slots + t)
         if slot < 0:
             return
+        if slot >= num_slots:
+            tl.atomic_max(bad_slot, slot)
+            return
         page = slot // page_size
         off = slot - page * page_size
         h = tl.arange(0, BLOCK_H)[:, None]
@@ -75,25 +85,68 @@ if triton is not None:
 
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = hmask & (d < D)
-        x = tl.load(k + t.to(tl.int64) * k_row + h * k_head + d, mask=mask)
+        x = tl.load(k + t.to(tl.int64) * k_row + h * k_head + d * k_dim, mask=mask)
         if QUANT:
             x = x.to(tl.float32)
             if K_SCALED:
                 x = x / tl.load(k_scale + h * k_scale_head, mask=hmask, other=1.0)
             x = tl.clamp(x, -fp8_max, fp8_max)
-        dst = k_cache + page * kc_page + off * kc_off + h * kc_head + d
+        dst = k_cache + page.to(tl.int64) * kc_page + off * kc_off + h * kc_head + d
         tl.store(dst, x.to(k_cache.dtype.element_ty), mask=mask)
 
         dv = tl.arange(0, BLOCK_DV)[None, :]
         mask = hmask & (dv < DV)
-        y = tl.load(v + t.to(tl.int64) * v_row + h * v_head + dv, mask=mask)
+        y = tl.load(v + t.to(tl.int64) * v_row + h * v_head + dv * v_dim, mask=mask)
         if QUANT:
             y = y.to(tl.float32)
             if V_SCALED:
                 y = y / tl.load(v_scale + h * v_scale_head, mask=hmask, other=1.0)
             y = tl.clamp(y, -fp8_max, fp8_max)
-        dst = v_cache + page * vc_page + off * vc_off + h * vc_head + dv
+        dst = v_cache + page.to(tl.int64) * vc_page + off * vc_off + h * vc_head + dv
         tl.store(dst, y.to(v_cache.dtype.element_ty), mask=mask)
+
+
+class SlotGuard:
+    """Where the KV store reports slots past the cache, read back without a device sync.
+
+    ``flag`` is an int64 (1,) device tensor holding the largest rejected slot (-1: none).
+    ``poll()`` (once per step, from ``plan``) raises for a flag read back by an earlier poll,
+    then starts a non-blocking copy to pinned host memory and records an event; a later poll
+    reads it only once that event has completed. So a bad slot is reported one or two steps
+    after the step that carried it, and never written. ``check_now()`` syncs and reports at once
+    (debug mode).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.flag = torch.full((1,), -1, dtype=torch.int64, device=device)
+        self._host = torch.full((1,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def poll(self) -> None:
+        if self._event is None or torch.cuda.is_current_stream_capturing():
+            return
+        if self._pending and self._event.query():
+            self._pending = False
+            self._raise_if_bad(int(self._host[0]), "reported at the next steps' plan")
+        if not self._pending:
+            self._host.copy_(self.flag, non_blocking=True)
+            self._event.record()
+            self._pending = True
+
+    def check_now(self) -> None:
+        self._raise_if_bad(int(self.flag[0]), "reported at once: debug mode")
+
+    def _raise_if_bad(self, slot: int, when: str) -> None:
+        if slot < 0:
+            return
+        self.flag.fill_(-1)
+        raise InvalidMetadataError(
+            "slot_mapping",
+            "slots < num_pages * page_size of the cache",
+            f"slot {slot}",
+            f"The KV store skipped it, nothing was written outside the cache ({when})",
+        )
 
 
 def store_kv(
@@ -106,11 +159,14 @@ def store_kv(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     fp8_max: float,
+    bad_slot: torch.Tensor,
 ) -> None:
     """Write rows ``0..num_tokens-1`` of k (T, Hkv, D) / v (T, Hkv, Dv) at their slots.
 
-    ``k_cache`` / ``v_cache`` are (N, P, Hkv, D|Dv) views (any strides, last dim contiguous).
-    Scales are fp32 with 1 or Hkv elements (None: 1); ``fp8_max`` > 0 turns quantisation on.
+    ``k``/``v`` may have any strides. ``k_cache`` / ``v_cache`` are (N, P, Hkv, D|Dv) views (any
+    strides, last dim contiguous). Scales are fp32 with 1 or Hkv elements (None: 1);
+    ``fp8_max`` > 0 turns quantisation on. A slot >= N * P is skipped and max-reduced into
+    ``bad_slot`` (an int64 (1,) device tensor, see ``SlotGuard``).
     """
     if num_tokens == 0:
         return
@@ -126,10 +182,11 @@ def store_kv(
     vs_head = 1 if v_scale is not None and v_scale.numel() > 1 else 0
     runtime = (
         k, v, k_cache, v_cache, slot_mapping, ks, vs,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ks_head, vs_head, k_cache.shape[1], fp8_max,
+        ks_head, vs_head, k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1], bad_slot,
+        fp8_max,
     )  # fmt: skip
     constexprs = {  # in the kernel's parameter order
         "HKV": hkv,

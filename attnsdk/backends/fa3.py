@@ -33,6 +33,7 @@ from attnsdk._capabilities import (
 from attnsdk._errors import UnsupportedConfigError
 from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVOrder
+from attnsdk._validate import check_metadata
 from attnsdk.backends._fa3_kernels import (
     INSTALL_COMMAND,
     PROVIDERS,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from attnsdk._layer import LayerSpec
     from attnsdk._metadata import AttentionMetadata
     from attnsdk.backends._fa3_kernels import KernelCall
+    from attnsdk.backends._triton_store import SlotGuard
 
 __all__ = ["FA3Backend", "FA3Options", "FA3Plan"]
 
@@ -122,6 +124,7 @@ class FA3Backend(GraphHooks):
         self._kernel: KernelCall = load_kernel(self.options.provider)
         # Layers already checked against this backend (LayerSpec and layout are frozen values).
         self._static: dict[tuple[LayerSpec, KVCacheLayout], _Static] = {}
+        self._guards: dict[torch.device, SlotGuard] = {}
         wanted = self.options.precompute_scheduler
         self._precompute = self._kernel.scheduler is not None and wanted is not False
         if wanted and self._kernel.scheduler is None:
@@ -175,7 +178,25 @@ class FA3Backend(GraphHooks):
 
     def plan(self, meta: AttentionMetadata) -> FA3Plan:
         # FA3 reads the metadata tensors as they are; nothing to compute or copy per step.
+        check_metadata(meta)
+        self._guard(meta.device).poll()
         return FA3Plan(meta)
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        super().plan_for_replay(plan, meta)
+        self._guard(meta.device).poll()
+
+    def sync_check(self, device: torch.device) -> None:
+        """Raise now, with a device sync, what the KV store recorded (debug mode calls it)."""
+        self._guard(device).check_now()
+
+    def _guard(self, device: torch.device) -> SlotGuard:
+        guard = self._guards.get(device)
+        if guard is None:
+            from attnsdk.backends._triton_store import SlotGuard  # imports Triton
+
+            guard = self._guards[device] = SlotGuard(device)
+        return guard
 
     # -- per layer --------------------------------------------------------------------------
 
@@ -200,7 +221,8 @@ class FA3Backend(GraphHooks):
         if st is None:
             st = self._check_layer(layer, cache)
         meta = plan.metadata
-        if out is None:
+        dest = out
+        if out is None or out.stride(-1) != 1:  # FA3 writes each head vector contiguously
             out = torch.empty(
                 q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
             )
@@ -219,10 +241,13 @@ class FA3Backend(GraphHooks):
                 k_scale,
                 v_scale,
                 fp8_max,
+                self._guard(cache.device).flag,
             )
         b = meta.num_seqs
         if b == 0 or q.shape[0] == 0:
-            return out
+            return out if dest is None else dest
+        if q.stride(-1) != 1:
+            q = q.contiguous()  # FA3 reads each head vector as one contiguous run
         k_descale = v_descale = None
         if st.quantized:
             q = q.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
@@ -256,6 +281,8 @@ class FA3Backend(GraphHooks):
             pack_gqa=self.options.pack_gqa,
             sinks=sinks,
         )
+        if dest is not None and dest is not out:
+            return dest.copy_(out)
         return out
 
     def _check_layer(self, layer: LayerSpec, cache: KVCache) -> _Static:

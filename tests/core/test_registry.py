@@ -51,9 +51,10 @@ def make_backend(
     max_head_dim: int = 256,
     created: list[Any] | None = None,
 ) -> type:
-    """A backend class that records its constructions and reports ``env`` as its environment."""
+    """A backend class that records its constructions and reports ``env`` as its environment
+    (it plans and attends like the reference backend, so it is a complete ``Backend``)."""
 
-    class Fake:
+    class Fake(ReferenceBackend):
         capabilities: ClassVar[A.Capabilities] = A.Capabilities(
             devices=frozenset({"cpu", "cuda"}),
             dtypes=frozenset({torch.bfloat16}),
@@ -63,14 +64,14 @@ def make_backend(
         )
         Options: ClassVar[type[BaseModel]] = globals()["Options"]
 
-        def __init__(self, options: BaseModel) -> None:
-            self.name = name
-            self.options = options
+        def __init__(self, options: BaseModel) -> None:  # type: ignore[override]
+            self.name = name  # type: ignore[misc]
+            self.options = options  # type: ignore[assignment]
             if created is not None:
                 created.append(options)
 
         @classmethod
-        def environment_reasons(cls, device: Any = None) -> list[A.Reason]:
+        def environment_reasons(cls, device: Any = None) -> list[A.Reason]:  # type: ignore[override]
             return list(env or [])
 
         def unsupported_reasons(

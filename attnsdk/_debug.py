@@ -1,0 +1,164 @@
+"""Debug mode: every plan and forward fully validated, every output checked for NaN.
+
+Turn it on with ``ATTNSDK_DEBUG=1`` or ``AttentionConfig(debug=True)``; ``create_backend`` then
+returns the backend wrapped in ``DebugBackend``. It syncs the device on every layer, so it is
+for finding a misbehaving integration, not for serving. Inside CUDA-graph capture nothing can
+sync: captured forwards run unchecked and each replay's metadata is validated instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attnsdk._backend import check_forward_args
+from attnsdk._errors import AttnSDKError, InvalidInputError
+from attnsdk._validate import validate_metadata
+
+if TYPE_CHECKING:
+    from attnsdk._backend import Backend, Plan
+    from attnsdk._capabilities import Reason
+    from attnsdk._config import AttentionConfig
+    from attnsdk._graph import GraphBuffers
+    from attnsdk._kv import KVCache, KVCacheLayout
+    from attnsdk._layer import LayerSpec
+    from attnsdk._metadata import AttentionMetadata
+
+__all__ = ["ENV_DEBUG", "DebugBackend", "debug_enabled", "wrap_debug"]
+
+ENV_DEBUG = "ATTNSDK_DEBUG"
+
+
+def debug_enabled(config: AttentionConfig | None = None) -> bool:
+    """``config.debug``, or ``ATTNSDK_DEBUG`` set to 1 / true / yes / on."""
+    if config is not None and config.debug:
+        return True
+    return os.environ.get(ENV_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def wrap_debug(backend: Backend) -> Backend:
+    return backend if isinstance(backend, DebugBackend) else DebugBackend(backend)
+
+
+class DebugBackend:
+    """A backend with every check on. Other attributes are the wrapped backend's.
+
+    Before each forward: the argument checks, ``AttentionMetadata.validate(cache)`` (once per
+    plan and cache size), finite q / k / v and positive finite fp8 scales. After it: any error
+    the device side recorded (e.g. a slot past the cache, reported at once) and a finite output
+    for every real token row.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.inner = backend
+        self.name = backend.name
+        self.capabilities = backend.capabilities
+        self._validated: tuple[int, int] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"DebugBackend({self.inner!r})"
+
+    def unsupported_reasons(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        return self.inner.unsupported_reasons(layer, layout, device)
+
+    def plan(self, meta: AttentionMetadata) -> Plan:
+        if meta.page_size is not None and not _capturing():
+            validate_metadata(meta, meta.page_size)
+        return self.inner.plan(meta)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        kwargs = {"sinks": sinks, "k_scale": k_scale, "v_scale": v_scale, "out": out}
+        if _capturing():
+            return self.inner.forward(q, k, v, cache, plan, layer, **kwargs)
+        check_forward_args(q, k, v, cache, plan, layer, **kwargs)
+        meta = plan.metadata
+        key = (id(plan), cache.num_pages)
+        if key != self._validated:
+            validate_metadata(meta, cache)
+            self._validated = key
+        rows = int(meta.query_start_loc_cpu[-1])
+        for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
+            if t is not None:
+                _finite(name, t[:rows] if name != "sinks" else t, InvalidInputError)
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None and not bool((torch.isfinite(scale) & (scale > 0)).all()):
+                raise InvalidInputError(name, "finite values > 0", scale.flatten().tolist())
+        result = self.inner.forward(q, k, v, cache, plan, layer, **kwargs)
+        sync_check = getattr(self.inner, "sync_check", None)
+        if sync_check is not None:
+            sync_check(cache.device)
+        _finite("output", result[:rows], None, backend=self.name)
+        return result
+
+    def graph_state(
+        self,
+        max_batch: int,
+        max_tokens: int,
+        max_pages: int,
+        *,
+        page_size: int,
+        device: torch.device | str,
+    ) -> GraphBuffers:
+        return self.inner.graph_state(
+            max_batch, max_tokens, max_pages, page_size=page_size, device=device
+        )
+
+    def plan_for_capture(
+        self,
+        state: GraphBuffers,
+        batch_size: int,
+        num_tokens: int,
+        *,
+        max_query_len: int | None = None,
+    ) -> Plan:
+        return self.inner.plan_for_capture(
+            state, batch_size, num_tokens, max_query_len=max_query_len
+        )
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        self.inner.plan_for_replay(plan, meta)
+        if plan.graph is not None:
+            validate_metadata(plan.metadata, plan.graph.page_size)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _finite(
+    name: str, t: torch.Tensor, error: type[InvalidInputError] | None, backend: str = ""
+) -> None:
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return
+    where = tuple(int(i) for i in torch.nonzero(bad)[0])
+    value = float(t[where])
+    if error is not None:
+        raise error(name, "finite values", f"{value} at {where}")
+    raise AttnSDKError(
+        f"debug mode: backend {backend!r} produced {value} at output{list(where)} from finite "
+        "inputs and valid metadata; please report it with the batch"
+    )
