@@ -152,6 +152,10 @@ def check_forward_args(
         raise InvalidInputError("layer", "a LayerSpec", _kind(layer))
     layout = cache.layout
     meta = plan.metadata
+    if not isinstance(meta, AttentionMetadata):
+        raise InvalidInputError(
+            "plan.metadata", "an AttentionMetadata (plans come from backend.plan)", _kind(meta)
+        )
     if meta.page_size is not None and meta.page_size != layout.page_size:
         raise InvalidInputError(
             "plan.metadata.page_size",

@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 import numbers
 
+import torch
+
 from attnsdk._errors import InvalidInputError
 
-__all__ = ["check_bool", "check_int", "check_positive_float"]
+__all__ = ["check_bool", "check_device", "check_int", "check_positive_float"]
 
 INT32_MAX = 2**31 - 1
 
@@ -44,3 +46,17 @@ def check_positive_float(field: str, value: object, *, allow_zero: bool = False)
         bound = ">= 0" if allow_zero else "> 0"
         raise InvalidInputError(field, f"a finite number {bound}", repr(value))
     return float(value)  # type: ignore[arg-type]
+
+
+def check_device(field: str, value: object) -> torch.device:
+    """``value`` as a ``torch.device``; a malformed device string or another type is refused."""
+    if isinstance(value, torch.device):
+        return value
+    try:
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            return torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        pass
+    raise InvalidInputError(
+        field, "a torch.device or a device string ('cpu', 'cuda:0')", repr(value)
+    )

@@ -84,12 +84,15 @@ class AttentionConfig(BaseModel):
             raise UnsupportedConfigError(
                 f"attention config file {p.name!r}: expected a mapping, found {type(data).__name__}"
             )
+        where = f"In attention config file {str(p)!r}"
         try:
             return cls.model_validate(data)
         except InvalidInputError as exc:
-            where = f"In attention config file {str(p)!r}"
             hint = f"{exc.hint} {where}" if exc.hint else where
             raise InvalidInputError(exc.field, exc.expected, exc.found, hint) from None
+        except UnsupportedConfigError as exc:  # e.g. an unknown backend name
+            message = str(exc).split("\n", 1)[0]
+            raise UnsupportedConfigError(f"{message} {where}", exc.reasons) from None
 
     @classmethod
     def from_env(cls) -> AttentionConfig:
@@ -97,7 +100,13 @@ class AttentionConfig(BaseModel):
         path = os.environ.get(ENV_CONFIG)
         name = os.environ.get(ENV_BACKEND)
         if path:
-            config = cls.from_file(path)
+            try:
+                config = cls.from_file(path)
+            except UnsupportedConfigError as exc:  # name the variable the path came from
+                message = str(exc).split("\n", 1)[0]
+                raise UnsupportedConfigError(
+                    f"{ENV_CONFIG}={path!r}: {message}", exc.reasons
+                ) from None
             if name and name != config.backend:
                 raise UnsupportedConfigError(
                     f"{ENV_BACKEND}={name!r} contradicts backend {config.backend!r} in "

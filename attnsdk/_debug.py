@@ -15,7 +15,7 @@ import torch
 
 from attnsdk._backend import check_forward_args
 from attnsdk._errors import AttnSDKError, InvalidInputError
-from attnsdk._validate import validate_metadata
+from attnsdk._validate import check_is_metadata, validate_metadata
 
 if TYPE_CHECKING:
     from attnsdk._backend import Backend, Plan
@@ -31,11 +31,22 @@ __all__ = ["ENV_DEBUG", "DebugBackend", "debug_enabled", "wrap_debug"]
 ENV_DEBUG = "ATTNSDK_DEBUG"
 
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
 def debug_enabled(config: AttentionConfig | None = None) -> bool:
-    """``config.debug``, or ``ATTNSDK_DEBUG`` set to 1 / true / yes / on."""
+    """``config.debug``, or ``ATTNSDK_DEBUG`` set to 1 / true / yes / on (0 / false / no / off
+    or unset: off; anything else is an error rather than a silent "off")."""
     if config is not None and config.debug:
         return True
-    return os.environ.get(ENV_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
+    raw = os.environ.get(ENV_DEBUG, "")
+    value = raw.strip().lower()
+    if value not in _ON + _OFF:
+        raise InvalidInputError(
+            ENV_DEBUG, f"one of {', '.join(_ON)} (on) or {', '.join(_OFF[1:])} (off)", repr(raw)
+        )
+    return value in _ON
 
 
 def wrap_debug(backend: Backend) -> Backend:
@@ -55,7 +66,7 @@ class DebugBackend:
         self.inner = backend
         self.name = backend.name
         self.capabilities = backend.capabilities
-        self._validated: tuple[int, int] | None = None
+        self._validated: tuple[int, int, int | None] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -72,8 +83,10 @@ class DebugBackend:
         return self.inner.unsupported_reasons(layer, layout, device)
 
     def plan(self, meta: AttentionMetadata) -> Plan:
+        check_is_metadata("meta", meta)
         if meta.page_size is not None and not _capturing():
-            validate_metadata(meta, meta.page_size)
+            # Without a layer the window is unknown: the reserved page is checked per forward.
+            validate_metadata(meta, meta.page_size, reserved_page=None)
         return self.inner.plan(meta)
 
     def forward(
@@ -95,9 +108,9 @@ class DebugBackend:
             return self.inner.forward(q, k, v, cache, plan, layer, **kwargs)
         check_forward_args(q, k, v, cache, plan, layer, **kwargs)
         meta = plan.metadata
-        key = (id(plan), cache.num_pages)
+        key = (id(plan), cache.num_pages, layer.sliding_window)
         if key != self._validated:
-            validate_metadata(meta, cache)
+            validate_metadata(meta, cache, sliding_window=layer.sliding_window)
             self._validated = key
         rows = int(meta.query_start_loc_cpu[-1])
         for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
@@ -141,7 +154,7 @@ class DebugBackend:
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
         self.inner.plan_for_replay(plan, meta)
         if plan.graph is not None:
-            validate_metadata(plan.metadata, plan.graph.page_size)
+            validate_metadata(plan.metadata, plan.graph.page_size, reserved_page=None)
 
 
 def _capturing() -> bool:

@@ -15,10 +15,10 @@ from typing import ClassVar
 import torch
 
 from attnsdk._backend import Plan
-from attnsdk._checks import check_int
+from attnsdk._checks import check_device, check_int
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._metadata import AttentionMetadata
-from attnsdk._validate import check_metadata
+from attnsdk._validate import check_is_metadata, check_metadata
 
 __all__ = ["GraphBuffers", "GraphHooks"]
 
@@ -53,7 +53,7 @@ class GraphBuffers:
         self.seq_len_fill = check_int(
             "seq_len_fill", seq_len_fill, low=0, high=max_pages * page_size
         )
-        dev = torch.device(device)
+        dev = check_device("device", device)
         i32 = torch.int32
         self.query_start_loc = torch.zeros(max_batch + 1, dtype=i32, device=dev)
         self.seq_lens = torch.full((max_batch,), seq_len_fill, dtype=i32, device=dev)
@@ -74,12 +74,8 @@ class GraphBuffers:
         the tokens per row for uniform graphs such as speculative verify, so the kernel is sized
         for them). Replay takes any smaller real batch whose longest query fits.
         """
-        if not 0 < batch_size <= self.max_batch:
-            raise InvalidInputError("batch_size", f"1..max_batch={self.max_batch}", batch_size)
-        if not batch_size <= num_tokens <= self.max_tokens:
-            raise InvalidInputError(
-                "num_tokens", f"{batch_size}..max_tokens={self.max_tokens}", num_tokens
-            )
+        batch_size = check_int("batch_size", batch_size, high=self.max_batch)
+        num_tokens = check_int("num_tokens", num_tokens, low=batch_size, high=self.max_tokens)
         # No row can hold more query tokens than keys its page-table row covers.
         loosest = min(num_tokens - batch_size + 1, self.capacity)
         if max_query_len is None:
@@ -116,6 +112,8 @@ class GraphBuffers:
 
     def replay_update(self, captured: AttentionMetadata, meta: AttentionMetadata) -> None:
         """Copy ``meta`` into the buffers that ``captured`` views and pad the remaining rows."""
+        check_is_metadata("captured", captured)
+        check_is_metadata("meta", meta)
         bs, tokens = captured.num_seqs, captured.num_tokens
         b, t = meta.num_seqs, meta.num_tokens
         if b > bs:
@@ -199,13 +197,15 @@ class GraphHooks:
         return self.plan_type(meta, graph=state)
 
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
-        if plan.graph is None or not isinstance(plan, self.plan_type):
+        if not isinstance(plan, Plan) or plan.graph is None or not isinstance(plan, self.plan_type):
             raise InvalidInputError(
                 "plan",
                 f"a {self.plan_type.__name__} made by plan_for_capture",
                 f"a {type(plan).__name__} without graph buffers"
-                if plan.graph is None
+                if isinstance(plan, Plan) and plan.graph is None
                 else type(plan).__name__,
             )
-        check_metadata(meta)
+        # The graph's page size is known here: a page table too narrow for it is refused
+        # rather than padded with the reserved page.
+        check_metadata(meta, plan.graph.page_size)
         plan.graph.replay_update(plan.metadata, meta)

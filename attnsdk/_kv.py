@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnsdk._checks import check_int
+from attnsdk._checks import check_device, check_int
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 
 __all__ = ["COMPUTE_DTYPES", "FP8_KV_DTYPES", "KVCache", "KVCacheLayout", "KVOrder"]
@@ -103,8 +103,8 @@ class KVCacheLayout:
 
     def allocate(self, num_pages: int, device: torch.device | str = "cpu") -> KVCache:
         """Allocate a zeroed cache of ``num_pages`` pages (page 0 is conventionally padding)."""
-        if not isinstance(num_pages, int) or num_pages <= 0:
-            raise InvalidInputError("num_pages", "a positive int", repr(num_pages))
+        num_pages = check_int("num_pages", num_pages)
+        device = check_device("device", device)
         dt = self.storage_dtype
         k = torch.zeros(self.page_shape(num_pages, self.head_dim), dtype=dt, device=device)
         v = torch.zeros(self.page_shape(num_pages, self.v_dim), dtype=dt, device=device)
@@ -139,6 +139,13 @@ class KVCacheLayout:
                     "stride 1 in the last (head_dim) dimension",
                     t.stride(),
                     "Kernels read each head vector as one contiguous run",
+                )
+            if any(st == 0 and size > 1 for st, size in zip(t.stride(), t.shape)):
+                raise InvalidInputError(
+                    f"{name}.stride()",
+                    "no zero stride (an expanded tensor: its pages or heads share memory)",
+                    t.stride(),
+                    "A write to one slot would land in every slot that aliases it",
                 )
         if k.shape[0] != v.shape[0]:
             raise InvalidInputError("v.shape[0]", f"{k.shape[0]} pages like k", v.shape[0])
@@ -191,7 +198,7 @@ class KVCache:
         slots with a boolean mask, which synchronises a CUDA device; GPU backends use their own
         sync-free store.
         """
-        n = slot_mapping.shape[0]
+        n = self._check_store_args(k, v, slot_mapping)
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
         capacity = self.num_pages * self.layout.page_size
@@ -205,28 +212,68 @@ class KVCache:
             )
         page = slots // self.layout.page_size
         offset = slots % self.layout.page_size
-        for cache, new, scale in ((self.k_nhd, k, k_scale), (self.v_nhd, v, v_scale)):
-            rows = new[:n][valid]
-            cache[page, offset] = quantize(rows, cache.dtype, scale)
+        # Both quantised first: a bad v_scale must not leave K written.
+        k_rows = quantize(k[:n][valid], self.k.dtype, k_scale, "k_scale")
+        v_rows = quantize(v[:n][valid], self.v.dtype, v_scale, "v_scale")
+        self.k_nhd[page, offset] = k_rows
+        self.v_nhd[page, offset] = v_rows
+
+    def _check_store_args(
+        self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> int:
+        """Host checks of ``store``'s arguments; returns the number of slots."""
+        if (
+            not isinstance(slot_mapping, torch.Tensor)
+            or slot_mapping.is_floating_point()
+            or slot_mapping.is_complex()
+            or slot_mapping.dtype == torch.bool
+            or slot_mapping.dim() != 1
+        ):
+            found = (
+                (slot_mapping.dtype, tuple(slot_mapping.shape))
+                if isinstance(slot_mapping, torch.Tensor)
+                else type(slot_mapping).__name__
+            )
+            raise InvalidMetadataError("slot_mapping", "a 1-D integer tensor", found)
+        if slot_mapping.device != self.device:
+            raise InvalidMetadataError("slot_mapping.device", str(self.device), slot_mapping.device)
+        n = slot_mapping.shape[0]
+        layout = self.layout
+        for name, t, dim in (("k", k, layout.head_dim), ("v", v, layout.v_dim)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
+            if t.dim() != 3 or t.shape[0] < n or tuple(t.shape[1:]) != (layout.num_kv_heads, dim):
+                raise InvalidInputError(
+                    f"{name}.shape",
+                    f"(>= {n} rows, {layout.num_kv_heads}, {dim}): one row per slot",
+                    tuple(t.shape),
+                )
+            if not t.is_floating_point():
+                raise InvalidInputError(f"{name}.dtype", "a floating-point dtype", t.dtype)
+            if t.device != self.device:
+                raise InvalidInputError(f"{name}.device", str(self.device), t.device)
+        return n
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+def quantize(
+    x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None, field: str = "scale"
+) -> torch.Tensor:
     """Cast ``x`` [..., Hkv, D] to the storage dtype; fp8 divides by ``scale`` ([] / [1] / [Hkv])."""
     if dtype not in FP8_KV_DTYPES:
         return x.to(dtype)
     y = x.float()
     if scale is not None:
-        y = y / _broadcast_scale(scale, x.shape[-2])
+        y = y / _broadcast_scale(scale, x.shape[-2], field)
     finfo = torch.finfo(dtype)
     return y.clamp(finfo.min, finfo.max).to(dtype)
 
 
-def _broadcast_scale(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def _broadcast_scale(scale: torch.Tensor, num_kv_heads: int, field: str) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor):
-        raise InvalidInputError("scale", "an fp32 tensor", type(scale).__name__)
+        raise InvalidInputError(field, "an fp32 tensor", type(scale).__name__)
     s = scale.float().reshape(-1)
     if s.numel() == 1:
         return s
     if s.numel() != num_kv_heads:
-        raise InvalidInputError("scale", f"shape (), (1,) or ({num_kv_heads},)", tuple(scale.shape))
+        raise InvalidInputError(field, f"shape (), (1,) or ({num_kv_heads},)", tuple(scale.shape))
     return s.view(num_kv_heads, 1)

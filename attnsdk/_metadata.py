@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnsdk._checks import check_device
 from attnsdk._errors import InvalidMetadataError
 
 if TYPE_CHECKING:
@@ -99,9 +100,8 @@ class AttentionMetadata:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidMetadataError("page_size", "a positive int", repr(page_size))
         _check_lengths(q, s)
-        pt = torch.as_tensor(page_table, dtype=torch.int32)
-        if device is None:
-            device = pt.device
+        pt = _page_table(page_table)
+        device = pt.device if device is None else check_device("device", device)
         if pt.dim() != 2 or pt.shape[0] != s.shape[0]:
             raise InvalidMetadataError("page_table", f"shape (B={s.shape[0]}, W)", tuple(pt.shape))
         needed = int(((s + page_size - 1) // page_size).max()) if s.numel() else 0
@@ -160,15 +160,24 @@ class AttentionMetadata:
             ("page_table", page_table),
             ("slot_mapping", slot_mapping),
         ):
-            if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex():
+            if not _is_int_tensor(t):
                 found = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
                 raise InvalidMetadataError(name, "an integer torch.Tensor", found)
         qsl_cpu = _host_ints("query_start_loc_cpu", query_start_loc_cpu)
         s_cpu = _host_ints("seq_lens_cpu", seq_lens_cpu)
+        if qsl_cpu.shape[0] == 0:
+            raise InvalidMetadataError(
+                "query_start_loc_cpu", "B + 1 >= 1 entries (it starts with 0)", "no entries"
+            )
         if page_size is not None and (
             isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0
         ):
             raise InvalidMetadataError("page_size", "a positive int or None", repr(page_size))
+        for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise InvalidMetadataError(name, "None or a host int >= 0", repr(value))
         q_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
         if max_query_len is None:
             max_query_len = int(q_cpu.max()) if q_cpu.numel() else 0
@@ -188,18 +197,23 @@ class AttentionMetadata:
         )
 
     def validate(
-        self, layout_or_cache: KVCacheLayout | KVCache, *, reserved_page: int | None = 0
+        self,
+        layout_or_cache: KVCacheLayout | KVCache,
+        *,
+        reserved_page: int | None = 0,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """Check every invariant (may sync the device); raise ``InvalidMetadataError`` on the first.
 
         Given a ``KVCache`` it also checks every page index against the cache's page count.
         ``reserved_page`` (page 0, SGLang's padding page and vLLM's null block) may be read only
-        by padding rows, which read and write nothing else; None skips that check. Returns
-        ``self`` so it can be chained.
+        by padding rows, which read and write nothing else; None skips that check. With the
+        layer's ``sliding_window``, pages wholly below every query's window count as unread (vLLM
+        frees them and puts its null block there). Returns ``self`` so it can be chained.
         """
         from attnsdk._validate import validate_metadata
 
-        validate_metadata(self, layout_or_cache, reserved_page)
+        validate_metadata(self, layout_or_cache, reserved_page, sliding_window)
         return self
 
 
@@ -215,6 +229,40 @@ def token_positions(
     seq_of_token = torch.repeat_interleave(torch.arange(qlen.shape[0]), qlen)
     start = (seq_lens_cpu.long() - qlen - qsl[:-1])[seq_of_token]
     return seq_of_token, torch.arange(seq_of_token.shape[0]) + start
+
+
+def _is_int_tensor(t: object) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and not t.is_floating_point()
+        and not t.is_complex()
+        and t.dtype != torch.bool
+    )
+
+
+def _page_table(values: IntsLike | Sequence[Sequence[int]]) -> torch.Tensor:
+    """(B, W) int32 page table from a tensor or nested lists of ints (no silent float cast)."""
+    if isinstance(values, torch.Tensor):
+        t = values
+    else:
+        try:
+            t = torch.as_tensor(values)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidMetadataError(
+                "page_table", "a (B, W) tensor or nested list of ints", repr(values)
+            ) from exc
+        if t.numel() == 0:
+            t = t.to(torch.int32)  # torch reads [[]] as float32
+    if not _is_int_tensor(t):
+        raise InvalidMetadataError("page_table", "integer page ids", t.dtype)
+    if t.dtype != torch.int32 and t.numel() and t.device.type != "meta":
+        big = (t > _INT32_MAX) | (t < -_INT32_MAX - 1)
+        if bool(big.any()):
+            where = tuple(int(i) for i in torch.nonzero(big)[0])
+            raise InvalidMetadataError(
+                f"page_table{list(where)}", "a page id that fits int32", int(t[where])
+            )
+    return t.to(torch.int32)
 
 
 def _host_ints(field: str, values: IntsLike) -> torch.Tensor:

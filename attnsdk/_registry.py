@@ -82,9 +82,26 @@ class _Entry:
         return value
 
     def options_model(self) -> type[BaseModel]:
-        if self.options is None:
-            return getattr(self.factory(), "Options", NoOptions)
-        return _resolve(self.options)
+        """The options model; one that cannot be loaded or is not a pydantic model is refused."""
+        where = "its factory's Options" if self.options is None else repr(self.options)
+        try:
+            if self.options is None:
+                model = getattr(self.factory(), "Options", NoOptions)
+            else:
+                model = _resolve(self.options)
+        except Exception as exc:  # a broken plugin path: one backend that cannot be configured
+            why = f"{where} cannot be loaded: {type(exc).__name__}: {exc}"
+            raise UnsupportedConfigError(
+                f"backend {self.name!r}: options model {why}",
+                [Reason(ReasonKind.CONFIGURATION, "options", why)],
+            ) from exc
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            why = f"{where} is {model!r}, not a pydantic model class"
+            raise UnsupportedConfigError(
+                f"backend {self.name!r}: options model {why}",
+                [Reason(ReasonKind.CONFIGURATION, "options", why)],
+            )
+        return model
 
     def environment_reasons(self, device: torch.device | str | None) -> list[Reason]:
         try:
@@ -93,7 +110,13 @@ class _Entry:
             why = f"{self.target} cannot be loaded: {type(exc).__name__}: {exc}"
             return [Reason(ReasonKind.ENVIRONMENT, "import", why)]
         probe = getattr(factory, "environment_reasons", None)
-        return list(probe(device)) if probe is not None else []
+        if probe is None:
+            return []
+        try:
+            return list(probe(device))
+        except Exception as exc:  # a crashing probe is a backend that cannot run, not a crash
+            why = f"{self.target} environment_reasons() raised {type(exc).__name__}: {exc}"
+            return [Reason(ReasonKind.ENVIRONMENT, "environment_reasons", why)]
 
 
 class Registration:
@@ -144,8 +167,10 @@ def register_backend(
     >>> handle.remove()
     """
     if not isinstance(name, str) or not name or name == "auto":
+        why = f"must be a non-empty str other than 'auto', found {name!r}"
         raise UnsupportedConfigError(
-            f"cannot register a backend named {name!r}: pick a non-empty name other than 'auto'"
+            f"cannot register a backend named {name!r}: pick a non-empty name other than 'auto'",
+            [Reason(ReasonKind.CONFIGURATION, "name", why)],
         )
     if isinstance(factory, str):
         _check_path("factory", factory)
@@ -168,7 +193,8 @@ def register_backend(
     with _LOCK:
         if name in _REGISTRY and not replace:
             raise UnsupportedConfigError(
-                f"a backend named {name!r} is already registered; pass replace=True to override it"
+                f"a backend named {name!r} is already registered; pass replace=True to override it",
+                [Reason(ReasonKind.CONFIGURATION, "name", f"{name!r} is already registered")],
             )
         _REGISTRY[name] = entry
     return Registration(name, entry)
@@ -191,7 +217,8 @@ def lookup(name: str) -> _Entry:
         close = difflib.get_close_matches(name, [*known, "auto"], n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UnsupportedConfigError(
-            f"unknown attention backend {name!r}; known backends: {', '.join(['auto', *known])}.{hint}"
+            f"unknown attention backend {name!r}; known backends: {', '.join(['auto', *known])}.{hint}",
+            [Reason(ReasonKind.CONFIGURATION, "backend", f"{name!r} is not registered")],
         )
     return entry
 
@@ -208,8 +235,11 @@ def create_backend(
     >>> create_backend("reference").name
     'reference'
     """
+    from attnsdk._checks import check_device
     from attnsdk._config import AttentionConfig
 
+    if device is not None:
+        device = check_device("device", device)
     if config is None:
         config = AttentionConfig.from_env()
     elif isinstance(config, str):
@@ -271,6 +301,18 @@ def explain(
     >>> explain("reference", LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64))
     {'reference': []}
     """
+    from attnsdk._checks import check_device
+    from attnsdk._config import AttentionConfig
+    from attnsdk._kv import KVCacheLayout
+    from attnsdk._layer import LayerSpec
+
+    if not isinstance(config, (str, AttentionConfig)):
+        raise InvalidInputError("config", "a backend name or an AttentionConfig", repr(config))
+    for field, value, kind in (("layer", layer, LayerSpec), ("layout", layout, KVCacheLayout)):
+        if value is not None and not isinstance(value, kind):
+            raise InvalidInputError(field, f"None or a {kind.__name__}", repr(value))
+    if device is not None:
+        check_device("device", device)
     name = config if isinstance(config, str) else config.backend
     entries = _entries() if name == "auto" else [lookup(name)]
     return {e.name: _reasons(e, layer, layout, device) for e in entries}

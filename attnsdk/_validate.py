@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import itertools
 
 import torch
 
-from attnsdk._errors import InvalidMetadataError
+from attnsdk._backend import Plan
+from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._kv import KVCache, KVCacheLayout
-from attnsdk._metadata import token_positions
-
-if TYPE_CHECKING:
-    from attnsdk._metadata import AttentionMetadata
+from attnsdk._metadata import AttentionMetadata, token_positions
 
 _CPU = torch.device("cpu")
 
@@ -24,30 +22,9 @@ def check_metadata(meta: AttentionMetadata, page_size: int | None = None) -> Non
     bounds), and that the page table is wide enough for ``max_seq_len`` at the page size.
     Device values (page ids, slots) are left to ``validate`` and to the kernels' guards.
     """
+    check_is_metadata("meta", meta)
     _check_tensors(meta, None)
     _check_scalars(meta)
-    qsl = meta.query_start_loc_cpu
-    if qsl.shape[0] and int(qsl[0]) != 0:
-        raise InvalidMetadataError("query_start_loc[0]", "0", int(qsl[0]))
-    qlen = qsl[1:] - qsl[:-1]
-    _first_bad("query_start_loc", qlen < 0, "non-decreasing", qsl[1:], offset=1)
-    owned = int(qsl[-1]) if qsl.shape[0] else 0
-    if meta.num_tokens < owned:
-        raise InvalidMetadataError("num_tokens", f">= query_start_loc[-1]={owned}", meta.num_tokens)
-    if meta.slot_mapping.shape[0] < meta.num_tokens:
-        raise InvalidMetadataError(
-            "slot_mapping",
-            f"at least num_tokens={meta.num_tokens} entries",
-            meta.slot_mapping.shape[0],
-        )
-    seq = meta.seq_lens_cpu
-    _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
-    if qlen.numel():
-        longest_q, longest_s = int(qlen.max()), int(seq.max())
-        if meta.max_query_len < longest_q:
-            raise InvalidMetadataError("max_query_len", f">= {longest_q}", meta.max_query_len)
-        if meta.max_seq_len < longest_s:
-            raise InvalidMetadataError("max_seq_len", f">= {longest_s}", meta.max_seq_len)
     if page_size is not None and meta.page_size is not None and meta.page_size != page_size:
         raise InvalidMetadataError(
             "page_size",
@@ -55,25 +32,87 @@ def check_metadata(meta: AttentionMetadata, page_size: int | None = None) -> Non
             meta.page_size,
             "The page table and slot mapping were built for another page size",
         )
+    if meta.slot_mapping.shape[0] < meta.num_tokens:
+        raise InvalidMetadataError(
+            "slot_mapping",
+            f"at least num_tokens={meta.num_tokens} entries",
+            meta.slot_mapping.shape[0],
+        )
+    qsl, seq = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    if not meta.num_seqs:
+        if int(qsl[0]) != 0:
+            raise InvalidMetadataError("query_start_loc[0]", "0", int(qsl[0]))
+        return
+    # One fused pass on the host twins (this runs once per step, on every backend's plan):
+    # [query_start_loc[0], min query len, min (seq_len - query len), max query len, max seq_len,
+    #  query_start_loc[-1]]. Only a failure pays for the diagnosis below.
+    first, min_q, min_slack, max_q, max_s, owned = _host_stats(qsl, seq)
     p = page_size or meta.page_size
-    if p is not None and meta.num_seqs:
-        longest = int(seq.max())
-        if meta.page_table.shape[1] * p < longest:
-            b = int(torch.argmax(seq))
-            raise InvalidMetadataError(
-                "page_table",
-                f"at least {-(-longest // p)} columns for seq_lens[{b}]={longest} at page_size {p}",
-                f"{meta.page_table.shape[1]} columns",
-            )
+    too_narrow = p is not None and meta.page_table.shape[1] * p < max_s
+    if (
+        first == 0
+        and min_q >= 0
+        and min_slack >= 0
+        and meta.num_tokens >= owned
+        and meta.max_query_len >= max_q
+        and meta.max_seq_len >= max_s
+        and not too_narrow
+    ):
+        return
+    if first != 0:
+        raise InvalidMetadataError("query_start_loc[0]", "0", first)
+    qlen = qsl[1:] - qsl[:-1]
+    _first_bad("query_start_loc", qlen < 0, "non-decreasing", qsl[1:], offset=1)
+    if meta.num_tokens < owned:
+        raise InvalidMetadataError("num_tokens", f">= query_start_loc[-1]={owned}", meta.num_tokens)
+    _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
+    if meta.max_query_len < max_q:
+        raise InvalidMetadataError("max_query_len", f">= {max_q}", meta.max_query_len)
+    if meta.max_seq_len < max_s:
+        raise InvalidMetadataError("max_seq_len", f">= {max_s}", meta.max_seq_len)
+    if p is not None:  # too_narrow
+        b = int(torch.argmax(seq))
+        raise InvalidMetadataError(
+            "page_table",
+            f"at least {-(-max_s // p)} columns for seq_lens[{b}]={max_s} at page_size {p}",
+            f"{meta.page_table.shape[1]} columns",
+        )
+
+
+def _host_stats(qsl: torch.Tensor, seq: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(query_start_loc[0], min query len, min (seq_len - query len), max query len,
+    max seq_len, query_start_loc[-1]) of a non-empty batch, the cheapest way for its size."""
+    if seq.shape[0] <= 64:  # plain Python beats five tiny tensor ops up to here
+        q, s = qsl.tolist(), seq.tolist()
+        qlen = [b - a for a, b in itertools.pairwise(q)]
+        slack = min(si - qi for si, qi in zip(s, qlen))
+        return q[0], min(qlen), slack, max(qlen), max(s), q[-1]
+    qlen_t = qsl[1:] - qsl[:-1]
+    stats = torch.stack(
+        (qsl[0], qlen_t.min(), (seq - qlen_t).min(), qlen_t.max(), seq.max(), qsl[-1])
+    ).tolist()
+    return tuple(stats)
+
+
+def check_is_metadata(field: str, meta: object) -> None:
+    """``meta`` is an ``AttentionMetadata`` (a ``Plan`` in its place is named as such)."""
+    if isinstance(meta, AttentionMetadata):
+        return
+    hint = "Pass plan.metadata, or plan the metadata once" if isinstance(meta, Plan) else ""
+    found = "None" if meta is None else f"a {type(meta).__name__}"
+    raise InvalidInputError(field, "an AttentionMetadata", found, hint)
 
 
 def validate_metadata(
     meta: AttentionMetadata,
     layout_or_cache: KVCacheLayout | KVCache | int,
     reserved_page: int | None = 0,
+    sliding_window: int | None = None,
 ) -> None:
     """Every invariant of ``meta`` for a cache layout, a cache (page ids checked against its
-    size too) or a bare page size. May sync the device."""
+    size too) or a bare page size. May sync the device. ``sliding_window``: pages wholly below
+    every query's window are not read, so an engine may have freed them (vLLM puts its null
+    block there)."""
     if isinstance(layout_or_cache, KVCache):
         page_size, num_pages = layout_or_cache.layout.page_size, layout_or_cache.num_pages
         cache_device: torch.device | None = layout_or_cache.device
@@ -95,6 +134,8 @@ def validate_metadata(
 
     slots = meta.slot_mapping.to(_CPU)
     if reserved_page is not None:
+        if sliding_window is not None:
+            used = used & _in_window(meta, pt.shape[1], page_size, sliding_window)
         _check_reserved_page(meta, pt, used, slots, reserved_page, page_size)
     _first_bad(
         "slot_mapping",
@@ -168,11 +209,29 @@ def check_pages(
     """
     pt = meta.page_table.to(_CPU).long()
     pages_needed = (meta.seq_lens_cpu.long() + page_size - 1) // page_size
+    widest = int(pages_needed.max()) if pages_needed.numel() else 0
+    if widest > pt.shape[1]:
+        b = int(torch.argmax(pages_needed))
+        raise InvalidMetadataError(
+            "page_table",
+            f"at least {widest} columns for seq_lens[{b}]={int(meta.seq_lens_cpu[b])} at "
+            f"page_size {page_size}",
+            f"{pt.shape[1]} columns",
+        )
     used = torch.arange(pt.shape[1]) < pages_needed[:, None]
     _first_bad_2d("page_table", (pt < 0) & used, ">= 0", pt)
     if num_pages is not None:
         _first_bad_2d("page_table", (pt >= num_pages) & used, f"< num_pages={num_pages}", pt)
     return pt, used
+
+
+def _in_window(meta: AttentionMetadata, width: int, page_size: int, window: int) -> torch.Tensor:
+    """(B, width) mask of the pages some query of each row can see under a window of ``window``
+    keys: the first query (position seq_len - query_len) sees keys from position - window + 1."""
+    seq = meta.seq_lens_cpu.long()
+    qlen = meta.query_lens_cpu.long()
+    first_key = (seq - qlen - window + 1).clamp(min=0)
+    return torch.arange(width) >= (first_key // page_size)[:, None]
 
 
 def _check_reserved_page(

@@ -19,6 +19,7 @@ DOCS = [
     "docs/architecture.md",
     "docs/kv_layout.md",
     "docs/adding_a_backend.md",
+    "docs/debugging.md",
     "docs/adapters/sglang.md",
     "docs/adapters/vllm.md",
 ]

@@ -366,7 +366,7 @@ def test_store_rejects_a_scale_of_the_wrong_size() -> None:
     layout = KVCacheLayout(2, 8, 4, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
     cache = layout.allocate(3)
     new = torch.randn(1, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(InvalidInputError, match=r"^scale: expected shape \(\), \(1,\) or \(2,\)"):
+    with pytest.raises(InvalidInputError, match=r"^k_scale: expected shape \(\), \(1,\) or \(2,\)"):
         cache.store(new, new, torch.tensor([4]), k_scale=torch.ones(3))
     assert not cache.k.float().any()  # nothing written
 

@@ -356,3 +356,16 @@ def test_validate_allows_negative_slots_for_real_tokens() -> None:
 def test_validate_rejects_non_layout() -> None:
     with raises_field("layout_or_cache"):
         base().validate("cache")  # type: ignore[arg-type]
+
+
+def test_validate_reserved_page_below_a_sliding_window() -> None:
+    """vLLM frees a sliding-window sequence's pages wholly below the window and puts its null
+    block 0 there: with the layer's window they are not read, so validate accepts them."""
+    # One decode at position 12 (page size 4): a window of 5 sees keys 8..12, pages 2 and 3.
+    meta = AttentionMetadata.from_seqlens([1], [13], [[0, 0, 5, 6]], page_size=PAGE)
+    with raises_field("page_table[0, 0]"):
+        meta.validate(CACHE)
+    assert meta.validate(CACHE, sliding_window=5) is meta
+    # A window of 6 reaches back to key 7, on page 1: the null block there is read.
+    with raises_field("page_table[0, 1]"):
+        meta.validate(CACHE, sliding_window=6)

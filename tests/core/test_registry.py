@@ -402,3 +402,60 @@ def test_entry_points_are_loaded_before_a_registration_claims_the_name(
 ) -> None:
     with pytest.raises(A.UnsupportedConfigError, match="'plug' is already registered"):
         A.register_backend("plug", ReferenceBackend)
+
+
+def test_a_plugin_registering_at_import_never_deadlocks_a_lookup(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread A imports a plugin whose import calls register_backend; thread B lists backends
+    meanwhile (which needs that plugin's class for its priority). Neither may wait forever:
+    the registry never imports while holding its lock."""
+    import threading
+
+    (tmp_path / "attnsdk_slow_plugin.py").write_text(
+        "import threading\n"
+        "import attnsdk\n"
+        "from attnsdk.backends.reference import ReferenceBackend\n"
+        "started, go = threading.Event(), threading.Event()\n"
+        "import builtins\n"
+        "builtins._attnsdk_slow_plugin_events = (started, go)\n"
+        "started.set()\n"
+        "go.wait(10)\n"
+        "class SlowBackend(ReferenceBackend):\n"
+        "    priority = -5\n"
+        "attnsdk.register_backend('slow-extra', ReferenceBackend, priority=-6)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(
+        _registry,
+        "entry_points",
+        lambda *, group=None: (
+            [EntryPoint("slow", "attnsdk_slow_plugin:SlowBackend", _registry.ENTRY_POINT_GROUP)]
+            if group == _registry.ENTRY_POINT_GROUP
+            else []
+        ),
+    )
+    monkeypatch.setattr(_registry, "_PLUGINS_LOADED", False)
+    import builtins
+
+    names: list[list[str]] = []
+    importer = threading.Thread(target=lambda: __import__("attnsdk_slow_plugin"), daemon=True)
+    importer.start()
+    for _ in range(200):
+        if hasattr(builtins, "_attnsdk_slow_plugin_events"):
+            break
+        threading.Event().wait(0.01)
+    started, go = builtins._attnsdk_slow_plugin_events  # type: ignore[attr-defined]
+    assert started.wait(10)
+    lister = threading.Thread(target=lambda: names.append(A.backend_names()), daemon=True)
+    lister.start()
+    threading.Event().wait(0.2)  # the lister is now waiting for the plugin's import
+    go.set()
+    importer.join(10)
+    lister.join(10)
+    del builtins._attnsdk_slow_plugin_events  # type: ignore[attr-defined]
+    assert not importer.is_alive(), "the plugin's import is stuck"
+    assert not lister.is_alive(), "the lookup is stuck"
+    assert "slow" in names[0]
+    assert "slow-extra" in A.backend_names()
+    sys.modules.pop("attnsdk_slow_plugin", None)
