@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from attnsdk._device import compute_capability, cuda_available, device_name
 from attnsdk._kv import KVCacheLayout
 from attnsdk._layer import LayerSpec
 from attnsdk._registry import create_backend, explain
+
+if TYPE_CHECKING:
+    from attnsdk.adapters._common import EngineVersions
 
 
 def info() -> int:
@@ -28,7 +32,18 @@ def info() -> int:
         print(f"  {name:<12} {'available' if not reasons else 'unavailable'}")
         for r in reasons:
             print(f"      - {r}")
+    print("engine adapters (tested releases; make test-engines):")
+    for versions in _engine_versions():
+        found = versions.installed()
+        print(f"  {versions.package:<12} {versions.span}, installed: {found or 'no'}")
     return 0
+
+
+def _engine_versions() -> list[EngineVersions]:
+    from attnsdk.adapters.sglang import SGLANG_VERSIONS
+    from attnsdk.adapters.vllm import VLLM_VERSIONS
+
+    return [SGLANG_VERSIONS, VLLM_VERSIONS]
 
 
 def demo(backend_name: str | None, seed: int) -> int:

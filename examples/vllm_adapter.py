@@ -1,4 +1,4 @@
-"""vLLM adapter: one padded mixed step through the drop-in classes, in each KV layout.
+"""vLLM adapter: one padded mixed step through the drop-in classes, in each of vLLM's layouts.
 
 Runs as is on the CPU with the mock vLLM objects from ``attnsdk.adapters.vllm.testing`` (no vllm
 install needed): ``python examples/vllm_adapter.py``. In a server, vLLM itself builds the
@@ -7,8 +7,8 @@ install needed): ``python examples/vllm_adapter.py``. In a server, vLLM itself b
 
 import torch
 
-from attnsdk.adapters.vllm import AttnSDKAttentionBackend, VLLMAdapter, VLLMKVLayout
-from attnsdk.adapters.vllm.testing import mock_vllm_batch
+from attnsdk.adapters.vllm import AttnSDKAttentionBackend, VLLMAdapter
+from attnsdk.adapters.vllm.testing import PHYSICAL_LAYOUTS, mock_vllm_batch
 from attnsdk.testing import BatchSpec
 
 
@@ -18,12 +18,15 @@ class ReferenceBackend(AttnSDKAttentionBackend):
 
 # A decode after 40 cached tokens, a 7-token chunk after 20, a 12-token prompt; two CUDA-graph
 # padding requests and three padding token rows, blocks of 16 shuffled after the null block 0.
+# vLLM hands each layer a [blocks, Hkv, 16, 2 * 64] view (K‖V) over memory in one of its
+# physical layouts; the drop-in reads any of them in place.
 spec = BatchSpec((1, 7, 12), (41, 27, 12))
-for layout in VLLMKVLayout:
-    step = mock_vllm_batch(spec, layout=layout, pad_requests=2, pad_tokens=3, seed=1)
-    backend = type(f"Ref{layout.name}", (ReferenceBackend,), {"kv_cache_layout": layout})
-    builder = backend.get_builder_cls()(None, ["model.layers.0.attn"], None, torch.device("cpu"))
-    impl = backend.get_impl_cls()(4, 64, 64**-0.5, 2, None, 32, "auto")  # sliding window W = 32
+builder = ReferenceBackend.get_builder_cls()(
+    None, ["model.layers.0.attn"], None, torch.device("cpu")
+)
+impl = ReferenceBackend.get_impl_cls()(4, 64, 64**-0.5, 2, None, 32, "auto")  # window W = 32
+for physical in PHYSICAL_LAYOUTS:
+    step = mock_vllm_batch(spec, physical=physical, pad_requests=2, pad_tokens=3, seed=1)
 
     attn_metadata = builder.build(0, step.common_attn_metadata)  # once per step
     output = torch.empty(step.query.shape[0], 4 * 64)
@@ -35,8 +38,8 @@ for layout in VLLMKVLayout:
     written = (views[0].k != views[1].k).flatten(1).any(1).nonzero().flatten().tolist()
     n = attn_metadata.num_actual_tokens
     print(
-        f"{layout.name:9} {layout.value:17} cache {tuple(step.kv_cache.shape)}: {n} real rows, "
-        f"finite {bool(output[:n].isfinite().all())}, blocks written {written}"
+        f"{physical} cache {tuple(step.kv_cache.shape)} strides {step.kv_cache.stride()}: "
+        f"{n} real rows, finite {bool(output[:n].isfinite().all())}, blocks written {written}"
     )
 
 meta = VLLMAdapter().build_metadata(step.common_attn_metadata)

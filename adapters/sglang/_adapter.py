@@ -16,6 +16,7 @@ SGLang's conventions, which every method here relies on (docs/adapters/sglang.md
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from attnsdk import (
     UnsupportedConfigError,
 )
 from attnsdk._kv import COMPUTE_DTYPES
+from attnsdk.adapters._common import AttnKind
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -47,7 +49,8 @@ class StepKind(enum.Enum):
     DECODE = "decode"
     """DECODE and IDLE: one new token per row (IDLE has no rows outside CUDA-graph padding)."""
     EXTEND = "extend"
-    """EXTEND, MIXED, DRAFT_EXTEND: ``extend_seq_lens`` new tokens per row after a prefix."""
+    """EXTEND, MIXED, DRAFT_EXTEND (<= 0.5.12), DRAFT_EXTEND_V2: ``extend_seq_lens`` new tokens
+    per row after a prefix."""
     TARGET_VERIFY = "target_verify"
     """A chain of ``spec_info.draft_token_num`` draft tokens per row, after ``seq_lens``."""
 
@@ -58,21 +61,29 @@ def _is(mode: object, predicate: str) -> bool:
     return bool(fn()) if callable(fn) else False
 
 
+_UNMAPPED = ("is_dllm_extend", "is_prebuilt", "is_split_prefill")
+"""Modes with other attention semantics (diffusion-LM blocks, prebuilt KV, layer-split
+prefill): refused rather than guessed."""
+
+
 def step_kind(mode: ForwardMode) -> StepKind:
     """Classify a ``ForwardMode`` with SGLang's own predicates.
 
-    Order matters: SGLang's ``is_extend()`` is also true for TARGET_VERIFY and DRAFT_EXTEND.
-    Modes with other attention semantics (draft-extend v2, diffusion-LM extend, ...) raise.
+    Order matters: SGLang's ``is_extend()`` is also true for TARGET_VERIFY, DRAFT_EXTEND,
+    SPLIT_PREFILL and DLLM_EXTEND. Modes with other attention semantics raise.
     """
     if _is(mode, "is_idle") or _is(mode, "is_decode"):
         return StepKind.DECODE
     if _is(mode, "is_target_verify"):
         return StepKind.TARGET_VERIFY
-    if not _is(mode, "is_dllm_extend") and (
-        _is(mode, "is_draft_extend") or _is(mode, "is_mixed") or _is(mode, "is_extend")
+    if not any(_is(mode, p) for p in _UNMAPPED) and (
+        _is(mode, "is_draft_extend_v2")
+        or _is(mode, "is_draft_extend")
+        or _is(mode, "is_mixed")
+        or _is(mode, "is_extend")
     ):
         return StepKind.EXTEND
-    expected = "DECODE, IDLE, EXTEND, MIXED, TARGET_VERIFY or DRAFT_EXTEND"
+    expected = "DECODE, IDLE, EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND or DRAFT_EXTEND_V2"
     raise UnsupportedConfigError(
         f"forward_batch.forward_mode: expected {expected}, found {mode!r}",
         [Reason(ReasonKind.BATCH, "forward_mode", f"{mode!r} has no attnsdk mapping")],
@@ -104,12 +115,12 @@ class SGLangAdapter:
     """
 
     def __init__(self, *, req_to_token: torch.Tensor, page_size: int) -> None:
-        if not isinstance(page_size, int) or page_size <= 0:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidInputError("page_size", "a positive int", repr(page_size))
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2:
             found = tuple(req_to_token.shape) if isinstance(req_to_token, torch.Tensor) else None
             raise InvalidInputError("req_to_token", "a 2-D tensor [rows, max_context_len]", found)
-        if req_to_token.is_floating_point():
+        if not _is_int(req_to_token):
             raise InvalidInputError("req_to_token.dtype", "an integer dtype", req_to_token.dtype)
         self.req_to_token = req_to_token
         self.page_size = page_size
@@ -121,8 +132,11 @@ class SGLangAdapter:
     def query_lens(self, fb: ForwardBatch) -> Lengths:
         """New tokens per row: 1 (decode), ``extend_seq_lens`` or ``spec_info.draft_token_num``."""
         kind = step_kind(fb.forward_mode)
-        b = int(fb.batch_size)
-        device = fb.seq_lens.device
+        b = _batch_size(fb)
+        seq_lens = fb.seq_lens
+        if not isinstance(seq_lens, torch.Tensor):
+            raise InvalidMetadataError("forward_batch.seq_lens", "a tensor", seq_lens)
+        device = seq_lens.device
         if kind is StepKind.EXTEND:
             host = _host_ints("forward_batch.extend_seq_lens_cpu", fb.extend_seq_lens_cpu, b)
             dev = _device_ints("forward_batch.extend_seq_lens", fb.extend_seq_lens, b)
@@ -141,7 +155,7 @@ class SGLangAdapter:
 
     def seq_lens(self, fb: ForwardBatch) -> Lengths:
         """KV length after this step: ``seq_lens`` (+ the drafts in TARGET_VERIFY)."""
-        b = int(fb.batch_size)
+        b = _batch_size(fb)
         host = _host_ints("forward_batch.seq_lens_cpu", fb.seq_lens_cpu, b)
         dev = _device_ints("forward_batch.seq_lens", fb.seq_lens, b)
         if step_kind(fb.forward_mode) is StepKind.TARGET_VERIFY:
@@ -166,7 +180,13 @@ class SGLangAdapter:
 
     def slot_mapping(self, fb: ForwardBatch) -> torch.Tensor:
         """(T,) int64: ``out_cache_loc``, the slot SGLang allocated for each new token."""
-        return fb.out_cache_loc.to(torch.int64)
+        loc = fb.out_cache_loc
+        if not _is_int(loc) or loc.dim() != 1:
+            found = (loc.dtype, tuple(loc.shape)) if isinstance(loc, torch.Tensor) else loc
+            raise InvalidMetadataError(
+                "forward_batch.out_cache_loc", "a 1-D integer tensor of slots", found
+            )
+        return loc.to(torch.int64)
 
     def layer_spec(self, layer: RadixAttention, *, has_sinks: bool = False) -> LayerSpec:
         """A ``LayerSpec`` from a RadixAttention-like layer (SGLang's window is W - 1)."""
@@ -187,16 +207,20 @@ class SGLangAdapter:
                 int(s.host[b]),
             )
         self._check_prefix(fb, q, s)
+        self._check_rows(fb)
         max_seq = int(s.host.max()) if s.host.numel() else 0
         width = -(-max_seq // self.page_size)
         slots = self.slot_mapping(fb)
         num_tokens = int(q.host.sum())
-        if slots.shape[0] != num_tokens:
+        if slots.shape[0] < num_tokens:
             raise InvalidMetadataError(
                 "forward_batch.out_cache_loc",
                 f"one slot per new token ({num_tokens})",
                 f"{slots.shape[0]} slots",
             )
+        # Data-parallel attention pads an EXTEND batch with extra tokens (ForwardBatch.
+        # _pad_inputs_to_size): they belong to no sequence and are neither written nor read.
+        slots = slots[:num_tokens]
         b = q.host.shape[0]
         qsl = torch.zeros(b + 1, dtype=torch.int32, device=q.device.device)
         torch.cumsum(q.device, 0, dtype=torch.int32, out=qsl[1:])
@@ -210,6 +234,7 @@ class SGLangAdapter:
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=s.host,
             max_seq_len=max_seq,
+            page_size=self.page_size,
         )
 
     def kv_cache(
@@ -292,6 +317,31 @@ class SGLangAdapter:
             )
         return meta
 
+    def _check_rows(self, fb: ForwardBatch) -> None:
+        """Request rows in range, from the host copy SGLang keeps (0.5.13+), when it is there."""
+        b = _batch_size(fb)
+        indices = fb.req_pool_indices
+        if not _is_int(indices) or tuple(indices.shape) != (b,):
+            is_tensor = isinstance(indices, torch.Tensor)
+            found = (indices.dtype, tuple(indices.shape)) if is_tensor else repr(indices)
+            raise InvalidMetadataError(
+                "forward_batch.req_pool_indices", f"({b},) integer rows of req_to_token", found
+            )
+        rows = getattr(fb, "req_pool_indices_cpu", None)
+        if rows is None and fb.req_pool_indices.device.type == "cpu":
+            rows = fb.req_pool_indices
+        if not isinstance(rows, torch.Tensor) or rows.numel() == 0:
+            return
+        limit = self.req_to_token.shape[0]
+        bad = (rows < 0) | (rows >= limit)
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0])
+            raise InvalidMetadataError(
+                f"forward_batch.req_pool_indices[{b}]",
+                f"a row of req_to_token, 0..{limit - 1}",
+                int(rows[b]),
+            )
+
     def _check_prefix(self, fb: ForwardBatch, q: Lengths, s: Lengths) -> None:
         # SGLang's extend batches also carry the prefix lengths: a cheap host cross-check.
         if step_kind(fb.forward_mode) is not StepKind.EXTEND:
@@ -311,21 +361,50 @@ class SGLangAdapter:
 
 
 def draft_token_num(spec_info: Any) -> int:
-    """Draft tokens per row of a TARGET_VERIFY batch; only chains (topk 1) are supported."""
+    """Draft tokens per row of a TARGET_VERIFY batch. Only draft chains are served.
+
+    A tree (EAGLE ``topk > 1``, every NGRAM verify: ``NgramVerifyInput`` has no ``topk`` and
+    is a tree of breadth ``speculative_ngram_max_bfs_breadth``) needs a tree mask, and a ragged
+    DFlash layout per-row draft counts: both are refused, never computed as a chain.
+    """
     if spec_info is None:
         raise InvalidMetadataError(
             "forward_batch.spec_info", "an EagleVerifyInput-like object in TARGET_VERIFY", None
         )
-    topk = getattr(spec_info, "topk", 1)
-    if topk is not None and int(topk) > 1:
+    kind = type(spec_info).__name__
+    topk = getattr(spec_info, "topk", None)
+    if topk is None:
+        raise UnsupportedConfigError(
+            f"forward_batch.spec_info: expected a draft chain (topk == 1), found {kind} "
+            "without topk (NGRAM verify is a token tree)",
+            [Reason(ReasonKind.BATCH, "spec_info", "tree verify needs a tree mask")],
+        )
+    if isinstance(topk, bool) or not isinstance(topk, int):
+        raise InvalidMetadataError("forward_batch.spec_info.topk", "an int (1: a chain)", topk)
+    if topk != 1:
         raise UnsupportedConfigError(
             f"forward_batch.spec_info.topk: expected 1 (a draft chain), found {topk}",
             [Reason(ReasonKind.BATCH, "spec_info.topk", "tree verify needs a tree mask")],
         )
+    if getattr(spec_info, "ragged_verify_layout", None) is not None:
+        raise UnsupportedConfigError(
+            f"forward_batch.spec_info.ragged_verify_layout: expected None, found a {kind} layout",
+            [Reason(ReasonKind.BATCH, "ragged_verify_layout", "per-row draft counts")],
+        )
     n = getattr(spec_info, "draft_token_num", None)
-    if not isinstance(n, int) or n <= 0:
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise InvalidMetadataError("forward_batch.spec_info.draft_token_num", "an int > 0", n)
     return n
+
+
+_ATTN_KINDS = {
+    "decoder": AttnKind.DECODER,
+    # Both attend over the paged cache without a causal mask (SGLang's FA3 does the same; a
+    # one-token decode sees every earlier key either way).
+    "encoder_only": AttnKind.BIDIRECTIONAL,
+    "decoder_bidirectional": AttnKind.BIDIRECTIONAL,
+}
+"""SGLang's ``AttentionType`` values."""
 
 
 def radix_layer_spec(layer: RadixAttention, *, has_sinks: bool = False) -> LayerSpec:
@@ -338,32 +417,45 @@ def radix_layer_spec(layer: RadixAttention, *, has_sinks: bool = False) -> Layer
         )
     attn_type = getattr(layer, "attn_type", "decoder")
     attn_type = str(getattr(attn_type, "value", attn_type)).lower()
-    if attn_type not in ("decoder", "encoder_only"):
+    kind = _ATTN_KINDS.get(attn_type)
+    if kind is None:
         raise UnsupportedConfigError(
-            f"layer {layer_id}.attn_type: expected decoder or encoder_only, found {attn_type}",
-            [Reason(ReasonKind.CONFIGURATION, "attn_type", f"{attn_type} needs a custom mask")],
+            f"layer {layer_id}.attn_type: expected one of {sorted(_ATTN_KINDS)}, found {attn_type}",
+            [Reason(ReasonKind.CONFIGURATION, "attn_type", f"{attn_type} has no attnsdk mapping")],
         )
     method = getattr(layer, "logit_capping_method", "tanh")
-    cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
+    cap = _layer_number(layer, "logit_cap", 0.0) or 0.0
     if cap > 0 and method != "tanh":
         raise UnsupportedConfigError(
             f"layer {layer_id}.logit_capping_method: expected 'tanh', found {method!r}",
             [Reason(ReasonKind.CONFIGURATION, "logit_capping_method", "only tanh softcap")],
         )
-    window = getattr(layer, "sliding_window_size", -1)
-    v_dim = getattr(layer, "v_head_dim", -1)
+    window = _layer_number(layer, "sliding_window_size", -1, integral=True)
+    v_dim = _layer_number(layer, "v_head_dim", -1, integral=True)
     return LayerSpec(
-        num_heads=int(layer.tp_q_head_num),
-        num_kv_heads=int(layer.tp_k_head_num),
-        head_dim=int(layer.head_dim),
+        num_heads=_layer_number(layer, "tp_q_head_num", integral=True),
+        num_kv_heads=_layer_number(layer, "tp_k_head_num", integral=True),
+        head_dim=_layer_number(layer, "head_dim", integral=True),
         v_head_dim=None if v_dim is None or v_dim < 0 else int(v_dim),
-        scale=float(layer.scaling),
-        causal=attn_type == "decoder",
+        scale=_layer_number(layer, "scaling"),
+        causal=kind.causal,
         # SGLang stores W - 1 (FlashAttention's left window); -1 or None means no window.
         sliding_window=None if window is None or window < 0 else int(window) + 1,
         softcap=cap if cap > 0 else None,
         has_sinks=has_sinks,
     )
+
+
+def _layer_number(layer: Any, name: str, default: Any = ..., *, integral: bool = False) -> Any:
+    """A number attribute of a RadixAttention-like layer (None stays None), type-checked."""
+    value: Any = getattr(layer, name) if default is ... else getattr(layer, name, default)
+    if value is None:
+        return None
+    if integral and not isinstance(value, bool) and isinstance(value, numbers.Integral):
+        return int(value)
+    if not integral and not isinstance(value, bool) and isinstance(value, numbers.Real):
+        return float(value)
+    raise InvalidInputError(f"layer.{name}", "an int" if integral else "a number", repr(value))
 
 
 def _host_ints(field: str, values: object, batch_size: int) -> torch.Tensor:
@@ -374,9 +466,15 @@ def _host_ints(field: str, values: object, batch_size: int) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise InvalidMetadataError(f"{field}.device", "cpu", values.device)
-        t = values.to(torch.int32)
+        t = values
     else:
-        t = torch.tensor(list(values), dtype=torch.int32)  # type: ignore[call-overload]
+        try:
+            t = torch.tensor(list(values))  # type: ignore[call-overload]
+        except (TypeError, ValueError, RuntimeError):
+            raise InvalidMetadataError(field, f"{batch_size} host ints", repr(values)) from None
+    if not _is_int(t) and t.numel():
+        raise InvalidMetadataError(field, "integers", t.dtype)
+    t = t.to(torch.int32)
     if tuple(t.shape) != (batch_size,):
         raise InvalidMetadataError(field, f"shape ({batch_size},) (batch_size)", tuple(t.shape))
     return t
@@ -385,8 +483,26 @@ def _host_ints(field: str, values: object, batch_size: int) -> torch.Tensor:
 def _device_ints(field: str, values: torch.Tensor | None, batch_size: int) -> torch.Tensor:
     if not isinstance(values, torch.Tensor):
         raise InvalidMetadataError(field, f"a ({batch_size},) tensor", type(values).__name__)
+    if not _is_int(values):
+        raise InvalidMetadataError(field, "an integer tensor", values.dtype)
     if tuple(values.shape) != (batch_size,):
         raise InvalidMetadataError(
             field, f"shape ({batch_size},) (batch_size)", tuple(values.shape)
         )
     return values.to(torch.int32)
+
+
+def _is_int(t: object) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and not t.is_floating_point()
+        and not t.is_complex()
+        and t.dtype != torch.bool
+    )
+
+
+def _batch_size(fb: ForwardBatch) -> int:
+    b = fb.batch_size
+    if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0:
+        raise InvalidMetadataError("forward_batch.batch_size", "an int >= 0", repr(b))
+    return int(b)

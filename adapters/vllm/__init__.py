@@ -1,23 +1,34 @@
 """vLLM adapter: ``CommonAttentionMetadata`` and KV tensors → attnsdk, plus a drop-in backend.
 
 ``VLLMAdapter`` converts (subclass it for a fork); ``AttnSDKAttentionBackend`` plugs any attnsdk
-backend into vLLM v1; ``register()`` adds it to vLLM's registry; test doubles live in
-``attnsdk.adapters.vllm.testing``. vLLM itself is never imported, except by ``register()``.
+backend into vLLM v1 (with ``AttnSDKMetadataBuilder`` and ``AttnSDKAttentionImpl``);
+``register()`` adds it to vLLM's registry; test doubles live in ``attnsdk.adapters.vllm.testing``.
+vLLM is imported only when a drop-in class is first used (to subclass vLLM's base classes, if
+vLLM is installed) and by ``register()``.
 """
 
-from attnsdk.adapters.vllm._adapter import ENCODER_ONLY, VLLMAdapter
+from typing import TYPE_CHECKING, Any
+
+from attnsdk.adapters.vllm._adapter import VLLMAdapter
 from attnsdk.adapters.vllm._backend import (
-    AttnSDKAttentionBackend,
-    AttnSDKMetadataBuilder,
+    VLLM_VERSIONS,
     VLLMAttentionMetadata,
     VLLMCudaGraphSupport,
 )
-from attnsdk.adapters.vllm._impl import AttnSDKAttentionImpl
 from attnsdk.adapters.vllm._layout import VLLMKVLayout, detect_kv_layout
 from attnsdk.adapters.vllm._resolve import BackendSpec, register
 
+if TYPE_CHECKING:
+    from attnsdk.adapters.vllm._backend import (
+        AttnSDKAttentionBackendBase as AttnSDKAttentionBackend,
+    )
+    from attnsdk.adapters.vllm._backend import (
+        AttnSDKMetadataBuilderBase as AttnSDKMetadataBuilder,
+    )
+    from attnsdk.adapters.vllm._impl import AttnSDKAttentionImplBase as AttnSDKAttentionImpl
+
 __all__ = [
-    "ENCODER_ONLY",
+    "VLLM_VERSIONS",
     "AttnSDKAttentionBackend",
     "AttnSDKAttentionImpl",
     "AttnSDKMetadataBuilder",
@@ -29,3 +40,13 @@ __all__ = [
     "detect_kv_layout",
     "register",
 ]
+
+_DROP_INS = {"AttnSDKAttentionBackend": 0, "AttnSDKMetadataBuilder": 1, "AttnSDKAttentionImpl": 2}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DROP_INS:
+        from attnsdk.adapters.vllm._backend import vllm_classes
+
+        return vllm_classes()[_DROP_INS[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,23 +19,33 @@ backend reads or writes anything for them.
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attnsdk import AttentionMetadata, InvalidInputError, InvalidMetadataError, LayerSpec
+from attnsdk._checks import check_positive_float
+from attnsdk.adapters._common import AttnKind
 from attnsdk.adapters.vllm._layout import VLLMKVLayout, wrap_kv_cache
 
 if TYPE_CHECKING:
     from attnsdk import KVCache
 
-__all__ = ["ENCODER_ONLY", "VLLMAdapter"]
+__all__ = ["VLLMAdapter", "vllm_attn_kind"]
 
-ENCODER_ONLY = "encoder_only"
-"""``AttentionType.ENCODER_ONLY.value``: bidirectional attention (BERT-style), no causal mask."""
-NON_CAUSAL_TYPES = frozenset({"encoder", "encoder_only"})
-"""vLLM attention types that attend bidirectionally and keep no KV cache of their own."""
+_ATTN_KINDS = {
+    "decoder": AttnKind.DECODER,
+    "encoder": AttnKind.ENCODER,
+    "encoder_only": AttnKind.ENCODER,
+}
+"""vLLM's ``AttentionType`` values attnsdk serves. ENCODER and ENCODER_ONLY attend
+bidirectionally over this step's K/V and keep no cache; ENCODER_DECODER (cross-attention over an
+encoder's cache) is not mapped yet."""
+
+
+def vllm_attn_kind(attn_type: object) -> AttnKind | None:
+    """What a vLLM ``AttentionType`` (or its value) means for attnsdk; None = not served."""
+    return _ATTN_KINDS.get(str(getattr(attn_type, "value", attn_type)))
 
 
 class VLLMAdapter:
@@ -71,13 +81,20 @@ class VLLMAdapter:
             raise InvalidMetadataError(
                 "seq_lens", f"num_reqs = {num_reqs} entries", seq_lens.shape[0]
             )
+        owned = int(qsl_cpu[-1])
+        if _int_field(cm, "num_actual_tokens") < owned:
+            raise InvalidMetadataError(
+                "num_actual_tokens",
+                f">= query_start_loc_cpu[num_reqs] = {owned} (the requests' tokens)",
+                cm.num_actual_tokens,
+            )
         return AttentionMetadata.from_tensors(
             query_start_loc=_tensor_field(cm, "query_start_loc")[: num_reqs + 1],
             seq_lens=seq_lens,
             page_table=self.page_table(cm, num_reqs),
             slot_mapping=self.slot_mapping(cm),
             query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=self.host_seq_lens(cm, num_reqs, qsl_cpu),
+            seq_lens_cpu=self.host_seq_lens(cm, num_reqs),
             max_query_len=_int_field(cm, "max_query_len"),
             max_seq_len=_int_field(cm, "max_seq_len"),
         )
@@ -91,54 +108,54 @@ class VLLMAdapter:
             raise InvalidMetadataError(
                 "block_table_tensor", "2 dims (num_reqs, W)", tuple(table.shape)
             )
+        if table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
+            raise InvalidMetadataError("block_table_tensor", "integer block ids", table.dtype)
+        if table.shape[0] < num_reqs:
+            raise InvalidMetadataError(
+                "block_table_tensor", f"at least num_reqs = {num_reqs} rows", table.shape[0]
+            )
         return table[:num_reqs]
 
     def slot_mapping(self, cm: Any) -> torch.Tensor:
         """(T,) slots of the new tokens; rows past ``num_actual_tokens`` are graph padding."""
         slots = _tensor_field(cm, "slot_mapping")
-        return slots[: _int_field(cm, "num_actual_tokens")]
+        n = _int_field(cm, "num_actual_tokens")
+        if n > slots.shape[0]:
+            raise InvalidMetadataError(
+                "num_actual_tokens", f"<= {slots.shape[0]} (slot_mapping's entries)", n
+            )
+        return slots[:n]
 
-    def host_seq_lens(
-        self, cm: Any, num_reqs: int, query_start_loc_cpu: torch.Tensor
-    ) -> torch.Tensor:
-        """(B,) host copy of ``seq_lens`` without a device sync, from the first source present.
+    def host_seq_lens(self, cm: Any, num_reqs: int) -> torch.Tensor:
+        """(B,) host copy of ``seq_lens`` without a device sync.
 
-        1. ``seq_lens`` itself when it lives on the CPU (free and exact);
-        2. ``seq_lens_cpu`` when it is a plain attribute (vLLM <= 0.11: a dataclass field);
-        3. ``_seq_lens_cpu`` (recent vLLM's cached exact copy, when it was filled);
-        4. ``seq_lens_cpu_upper_bound`` (recent vLLM). It is exact except for async speculative
-           decoding rows, where it assumes every draft was accepted: device ``seq_lens`` stay
-           exact, so kernels that take device lengths (fa3) are right, but a backend that loops
-           over host lengths (reference) would read too far. Override this hook to sync then.
-        5. ``num_computed_tokens_cpu`` / ``_num_computed_tokens_cpu`` + host query lengths.
-
-        Recent vLLM's ``seq_lens_cpu`` property is never touched: it syncs and warns.
+        ``seq_lens`` itself when it lives on the CPU, else ``seq_lens_cpu_upper_bound`` (the
+        only host copy vLLM 0.33+ keeps). It is exact except for async speculative-decoding
+        rows, where vLLM assumes every draft was accepted: device ``seq_lens`` stay exact, so
+        kernels that take device lengths (fa3) are right, but a backend that loops over host
+        lengths (reference) would read too far; override this hook to sync then. Two vLLM
+        paths leave it unset (DFlash graph capture and one model path): they raise.
         """
         seq_lens = _tensor_field(cm, "seq_lens")
         if seq_lens.device.type == "cpu":
             return seq_lens[:num_reqs]
-        candidates = []
-        if not isinstance(inspect.getattr_static(cm, "seq_lens_cpu", None), property):
-            candidates.append("seq_lens_cpu")
-        candidates += ["_seq_lens_cpu", "seq_lens_cpu_upper_bound"]
-        for name in candidates:
-            value = getattr(cm, name, None)
-            if value is not None:
-                return _host_tensor(name, value)[:num_reqs]
-        for name in ("num_computed_tokens_cpu", "_num_computed_tokens_cpu"):
-            if isinstance(inspect.getattr_static(cm, name, None), property):
-                continue
-            value = getattr(cm, name, None)
-            if value is not None:
-                computed = _host_tensor(name, value)[:num_reqs]
-                return computed + (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1])
-        raise InvalidMetadataError(
-            "seq_lens_cpu_upper_bound",
-            "a host copy of seq_lens (seq_lens_cpu_upper_bound, seq_lens_cpu, _seq_lens_cpu or "
-            "num_computed_tokens_cpu)",
-            "none of them",
-            "the adapter never syncs the device; override VLLMAdapter.host_seq_lens to supply one",
-        )
+        value = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        if value is None:
+            raise InvalidMetadataError(
+                "seq_lens_cpu_upper_bound",
+                "a host copy of seq_lens",
+                None,
+                "the adapter never syncs the device; override VLLMAdapter.host_seq_lens to "
+                "supply one (e.g. cm.seq_lens.cpu(), which syncs)",
+            )
+        host = _host_tensor("seq_lens_cpu_upper_bound", value)
+        if host.dim() != 1 or host.shape[0] < num_reqs:
+            raise InvalidMetadataError(
+                "seq_lens_cpu_upper_bound",
+                f"at least num_reqs = {num_reqs} entries",
+                tuple(host.shape),
+            )
+        return host[:num_reqs]
 
     def causal(self, cm: Any) -> bool:
         """The step's ``causal`` flag (a bool, or a host bool tensor that must be uniform)."""
@@ -157,7 +174,9 @@ class VLLMAdapter:
                     value.tolist(),
                 )
             return bool(value.reshape(-1)[0]) if value.numel() else True
-        return bool(value)
+        if not isinstance(value, bool):
+            raise InvalidMetadataError("causal", "a bool or a host tensor of bools", repr(value))
+        return value
 
     # Per-layer objects.
 
@@ -216,8 +235,8 @@ class VLLMAdapter:
             num_heads=num_heads,
             num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
             head_dim=head_size,
-            scale=float(scale),
-            causal=causal and kind not in NON_CAUSAL_TYPES,
+            scale=check_positive_float("scale", scale),
+            causal=causal and (vllm_attn_kind(kind) or AttnKind.DECODER).causal,
             sliding_window=sliding_window,
             softcap=logits_soft_cap or None,
             has_sinks=has_sinks,
@@ -246,7 +265,14 @@ def _int_field(obj: Any, name: str) -> int:
 
 def _host_tensor(name: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(value)  # numpy arrays in some versions
+        try:
+            value = torch.as_tensor(value)  # numpy arrays in some versions
+        except (TypeError, ValueError, RuntimeError):
+            raise InvalidMetadataError(
+                name, "host ints (a tensor or an array)", repr(value)
+            ) from None
     if value.device.type != "cpu":
         raise InvalidMetadataError(f"{name}.device", "cpu", value.device)
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise InvalidMetadataError(name, "integers", value.dtype)
     return value

@@ -2,7 +2,10 @@
 
 ``AttnSDKAttentionBackend`` (vLLM's ``AttentionBackend``), ``AttnSDKMetadataBuilder``
 (``AttentionMetadataBuilder``) and ``AttnSDKAttentionImpl`` (``AttentionImpl``) carry vLLM's
-method names and signatures without importing vLLM. Pick the attnsdk backend with a subclass::
+method names and signatures. They are built on first use (``vllm_classes``): when vLLM is
+installed each subclasses vLLM's own base class, so members a vLLM release adds keep vLLM's
+default; without vLLM they stand alone (unit tests with the mocks). Pick the attnsdk backend
+with a subclass::
 
     class FA3Backend(AttnSDKAttentionBackend):
         attnsdk_backend = "fa3"          # a name, an AttentionConfig or a Backend instance
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -25,20 +29,28 @@ from attnsdk import (
     GraphSupport,
     KVCacheLayout,
 )
-from attnsdk.adapters.vllm._adapter import VLLMAdapter
-from attnsdk.adapters.vllm._impl import AttnSDKAttentionImpl
-from attnsdk.adapters.vllm._layout import VLLMKVLayout, fp8_storage_dtype
-from attnsdk.adapters.vllm._resolve import BackendSpec, bind, resolve_backend, vllm_symbol
+from attnsdk.adapters._common import EngineVersions, drop_in_class, resolve_backend
+from attnsdk.adapters.vllm._adapter import VLLMAdapter, vllm_attn_kind
+from attnsdk.adapters.vllm._impl import AttnSDKAttentionImplBase
+from attnsdk.adapters.vllm._layout import compute_dtype_by_name, fp8_storage_dtype
+from attnsdk.adapters.vllm._resolve import BackendSpec, bind, vllm_symbol
 
 if TYPE_CHECKING:
     from attnsdk import AttentionMetadata, Backend, Plan
 
 __all__ = [
-    "AttnSDKAttentionBackend",
-    "AttnSDKMetadataBuilder",
+    "VLLM_VERSIONS",
+    "AttnSDKAttentionBackendBase",
+    "AttnSDKMetadataBuilderBase",
     "VLLMAttentionMetadata",
     "VLLMCudaGraphSupport",
+    "vllm_classes",
 ]
+
+VLLM_VERSIONS = EngineVersions("vllm", ("0.33.0", "0.34.0"))
+"""The vLLM releases the engine tier (``make test-engines``) runs the drop-in in."""
+
+_VLLM_BACKEND_MODULE = "vllm.v1.attention.backend"
 
 
 class VLLMCudaGraphSupport(enum.IntEnum):
@@ -50,9 +62,12 @@ class VLLMCudaGraphSupport(enum.IntEnum):
     ALWAYS = 3
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass
 class VLLMAttentionMetadata:
-    """What ``AttnSDKMetadataBuilder.build`` returns and every layer's ``forward`` reads."""
+    """What ``AttnSDKMetadataBuilder.build`` returns and every layer's ``forward`` reads.
+
+    Mutable, like vLLM's own metadata classes: vLLM's KV-sharing fast prefill subclasses the
+    metadata class and sets fields on it."""
 
     plan: Plan
     """The attnsdk plan of this step (``plan.metadata`` is the ``AttentionMetadata``)."""
@@ -88,8 +103,11 @@ class VLLMAttentionMetadata:
         return self.plan.metadata.slot_mapping
 
 
-class AttnSDKMetadataBuilder:
-    """vLLM's ``AttentionMetadataBuilder``: one ``CommonAttentionMetadata`` → one plan per step."""
+class AttnSDKMetadataBuilderBase:
+    """vLLM's ``AttentionMetadataBuilder``: one ``CommonAttentionMetadata`` → one plan per step.
+
+    Use it as ``attnsdk.adapters.vllm.AttnSDKMetadataBuilder`` (vLLM's base mixed in).
+    """
 
     attnsdk_backend: ClassVar[BackendSpec] = None
     adapter: ClassVar[VLLMAdapter] = VLLMAdapter()
@@ -97,6 +115,8 @@ class AttnSDKMetadataBuilder:
     reorder_batch_threshold: ClassVar[int | None] = None
     """attnsdk backends take mixed batches in any order, so vLLM need not reorder them."""
     supports_update_block_table: ClassVar[bool] = True
+    requires_block_table_width: ClassVar[bool] = False
+    supports_draft_decode_metadata_update: ClassVar[bool] = False
 
     def __init__(
         self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
@@ -106,6 +126,9 @@ class AttnSDKMetadataBuilder:
         self.vllm_config = vllm_config
         self.device = device
         self.backend = resolve_backend(self.attnsdk_backend)
+        self.reads_only = _kv_sharing_only(vllm_config, layer_names)
+        """Every layer of this builder reads another layer's cache (vLLM's KV-sharing fast
+        prefill gives them their own builder): its steps write nothing."""
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> Any:
@@ -116,8 +139,8 @@ class AttnSDKMetadataBuilder:
     def build(
         self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
     ) -> VLLMAttentionMetadata:
-        """Plan the step. A common prefix is attended like any other context (no cascade)."""
-        meta = self.adapter.build_metadata(common_attn_metadata)
+        """Plan the step (``common_prefix_len`` is always 0 in vLLM 0.33+: no cascade)."""
+        meta = self._no_writes(self.adapter.build_metadata(common_attn_metadata))
         return VLLMAttentionMetadata(
             plan=self.backend.plan(meta),
             backend=self.backend,
@@ -133,6 +156,7 @@ class AttnSDKMetadataBuilder:
     def build_for_drafting(
         self, common_attn_metadata: Any, draft_index: int
     ) -> VLLMAttentionMetadata:
+        """vLLM 0.33's draft-model hook (0.34 calls ``build``)."""
         return self.build(0, common_attn_metadata, fast_build=True)
 
     def update_block_table(
@@ -145,24 +169,41 @@ class AttnSDKMetadataBuilder:
             page_table=blk_table[: old.num_seqs].to(torch.int32),
             slot_mapping=slot_mapping[: metadata.num_actual_tokens].to(torch.int64),
         )
-        return dataclasses.replace(metadata, plan=self.backend.plan(meta))
+        return dataclasses.replace(metadata, plan=self.backend.plan(self._no_writes(meta)))
 
-    def use_cascade_attention(self, *args: object, **kwargs: object) -> bool:
+    def _no_writes(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """KV-sharing layers never write, and vLLM's fast prefill cuts their batch to the
+        logits rows while its ``slot_mapping`` stays the full batch's: say "no write" (-1)."""
+        if not self.reads_only:
+            return meta
+        return dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
+
+
+def _kv_sharing_only(vllm_config: Any, layer_names: list[str]) -> bool:
+    """True when vLLM's layers named ``layer_names`` all have a ``kv_sharing_target_layer_name``."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    context = getattr(compilation, "static_forward_context", None)
+    if not isinstance(context, dict) or not layer_names:
         return False
+    return all(
+        getattr(context.get(name), "kv_sharing_target_layer_name", None) for name in layer_names
+    )
 
 
-class AttnSDKAttentionBackend:
-    """vLLM's ``AttentionBackend``: names the impl and builder, the KV shape and what is supported.
+class AttnSDKAttentionBackendBase:
+    """vLLM's ``AttentionBackend``: names the impl and builder and says what is supported.
 
-    ``kv_cache_layout`` picks the cache shape vLLM allocates (any of the three the adapter reads).
+    Use it as ``attnsdk.adapters.vllm.AttnSDKAttentionBackend`` (vLLM's base mixed in). vLLM
+    0.29+ hands every layer a ``[num_blocks, Hkv, block_size, 2 * head_size]`` view (K‖V) in
+    any of its physical layouts; the impl reads it as it is.
     """
 
     attnsdk_backend: ClassVar[BackendSpec] = None
-    kv_cache_layout: ClassVar[VLLMKVLayout] = VLLMKVLayout.KV_BLOCKS
-    impl_cls: ClassVar[type[AttnSDKAttentionImpl]] = AttnSDKAttentionImpl
-    builder_cls: ClassVar[type[AttnSDKMetadataBuilder]] = AttnSDKMetadataBuilder
+    impl_cls: ClassVar[type]
+    """The impl class (set when the public classes are built)."""
+    builder_cls: ClassVar[type]
+    """The builder class (set when the public classes are built)."""
 
-    accept_output_buffer: ClassVar[bool] = True
     forward_includes_kv_cache_update: ClassVar[bool] = True
     """forward writes K/V through the attnsdk backend's own store (sync-free on the GPU)."""
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
@@ -170,7 +211,6 @@ class AttnSDKAttentionBackend:
         "auto",
         "float16",
         "bfloat16",
-        "float32",
         "fp8",
         "fp8_e4m3",
         "fp8_e5m2",
@@ -181,53 +221,23 @@ class AttnSDKAttentionBackend:
         return "CUSTOM"
 
     @classmethod
-    def get_impl_cls(cls) -> type[AttnSDKAttentionImpl]:
-        return bind(
-            cls.impl_cls,
-            cls.attnsdk_backend,
-            kv_cache_layout=cls.kv_cache_layout,
-            forward_includes_kv_cache_update=cls.forward_includes_kv_cache_update,
-        )
+    def get_impl_cls(cls) -> type:
+        return bind(cls.impl_cls, cls.attnsdk_backend)
 
     @classmethod
-    def get_builder_cls(cls) -> type[AttnSDKMetadataBuilder]:
+    def get_builder_cls(cls) -> type:
         return bind(cls.builder_cls, cls.attnsdk_backend)
 
-    @staticmethod
-    def get_metadata_cls() -> type[VLLMAttentionMetadata]:
-        return VLLMAttentionMetadata
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[Any, ...] | None:
+        """None: any of vLLM's physical layouts (the impl reads any strides)."""
+        return None
 
     @classmethod
-    def get_kv_cache_shape(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        n, p, h, d = num_blocks, block_size, num_kv_heads, head_size
-        if cls.kv_cache_layout is VLLMKVLayout.KV_BLOCKS:
-            return (2, n, p, h, d)
-        if cls.kv_cache_layout is VLLMKVLayout.BLOCKS_KV:
-            return (n, 2, p, h, d)
-        return (n, h, p, 2 * d)
-
-    @classmethod
-    def get_kv_cache_stride_order(
-        cls, include_num_layers_dimension: bool = False
-    ) -> tuple[int, ...]:
-        # PACKED is token-major in memory ([N, P, Hkv, 2D]) like vLLM's own; the others are as shaped.
-        order = (0, 2, 1, 3) if cls.kv_cache_layout is VLLMKVLayout.PACKED else tuple(range(5))
-        if include_num_layers_dimension:
-            return (0, *(i + 1 for i in order))
-        return order
-
-    @classmethod
-    def get_supported_kernel_block_sizes(cls) -> list[Any]:
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec: Any = None) -> list[Any]:
         caps = _backend(cls).capabilities
-        base = caps.page_size_multiple
         multiple_of = vllm_symbol("MultipleOf")
+        base = caps.page_size_multiple
         return [multiple_of(base)] if multiple_of is not None else [base]
 
     @classmethod
@@ -274,15 +284,17 @@ class AttnSDKAttentionBackend:
         return Feature.SINKS in _backend(cls).capabilities.features
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return Feature.SLIDING_WINDOW in _backend(cls).capabilities.features
+
+    @classmethod
     def supports_non_causal(cls) -> bool:
         return Feature.NON_CAUSAL in _backend(cls).capabilities.features
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        kind = getattr(attn_type, "value", attn_type)
-        if kind == "decoder":
-            return True
-        return kind in ("encoder_only", "encoder") and cls.supports_non_causal()
+        kind = vllm_attn_kind(attn_type)
+        return kind is not None and (kind.causal or cls.supports_non_causal())
 
     @classmethod
     def supports_per_head_quant_scales(cls) -> bool:
@@ -316,16 +328,22 @@ class AttnSDKAttentionBackend:
         return False
 
     @classmethod
+    def supports_rswa(cls) -> bool:
+        return False
+
+    @classmethod
     def supports_batch_invariance(cls) -> bool:
         return False
 
     @classmethod
-    def supports_kv_connector(cls) -> bool:
-        return True
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        """False: attnsdk plans from the host query lengths (adaptive verification trims
+        drafts on the device only)."""
+        return False
 
     @classmethod
-    def get_required_kv_cache_layout(cls) -> str | None:
-        return None
+    def supports_kv_connector(cls) -> bool:
+        return True  # the cache is vLLM's own tensor in vLLM's own layout
 
     @classmethod
     def validate_configuration(
@@ -341,14 +359,21 @@ class AttnSDKAttentionBackend:
         use_per_head_quant_scales: bool = False,
         device_capability: Any = None,
         attn_type: str = "decoder",
+        has_sliding_window: bool = False,
         use_non_causal: bool = False,
         use_batch_invariant: bool = False,
         use_kv_connector: bool = False,
+        use_pcp: bool = False,
+        use_adaptive_verification: bool = False,
+        use_dcp: bool = False,
+        use_rswa: bool = False,
         **newer_options: object,
     ) -> list[str]:
         """Every reason this backend cannot serve the configuration, as vLLM wants them: strings.
 
-        The attnsdk backend's own reasons come first (environment, then configuration).
+        The attnsdk backend's own reasons come first (environment, then configuration), then
+        what the adapter does not map. A flag a newer vLLM adds is refused while it is set:
+        attnsdk cannot vouch for a feature it has not seen.
         """
         reasons: list[str] = []
         kind = getattr(attn_type, "value", attn_type)
@@ -359,42 +384,47 @@ class AttnSDKAttentionBackend:
                 head_size,
                 head_size**-0.5,
                 1,
+                sliding_window=2 if has_sliding_window else None,
                 attn_type=kind,
                 has_sinks=has_sink,
                 causal=not use_non_causal,
-            )
-            kv_dtype = (
-                fp8_storage_dtype(kv_cache_dtype)
-                if cls.supports_kv_cache_dtype(kv_cache_dtype)
-                else None
             )
             layout = KVCacheLayout(
                 num_kv_heads=1,
                 head_dim=head_size,
                 page_size=block_size or max(1, backend.capabilities.min_page_size),
                 dtype=dtype,
-                kv_dtype=kv_dtype,
+                kv_dtype=fp8_storage_dtype(kv_cache_dtype)
+                if cls.supports_kv_cache_dtype(kv_cache_dtype)
+                else None,
             )
             device = "cuda" if device_capability is not None else None
             reasons += [str(r) for r in backend.unsupported_reasons(layer, layout, device)]
         except AttnSDKError as exc:  # no backend here, or a dtype attnsdk has no layout for
             reasons.append(str(exc))
+        compute = compute_dtype_by_name(kv_cache_dtype)
         checks = {
-            "MLA not supported": lambda: use_mla,
-            "sparse attention not supported": lambda: use_sparse,
-            "partial multimodal token full attention not supported": lambda: use_mm_prefix,
-            "batch invariance not supported": lambda: use_batch_invariant,
-            f"attention type {kind} not supported": lambda: not cls.supports_attn_type(kind),
-            f"kv_cache_dtype {kv_cache_dtype!r} not supported": lambda: (
-                not cls.supports_kv_cache_dtype(kv_cache_dtype)
-            ),
+            "MLA not supported": use_mla,
+            "sparse attention not supported": use_sparse,
+            "partial multimodal token full attention not supported": use_mm_prefix,
+            "batch invariance not supported": use_batch_invariant,
+            "PCP not supported": use_pcp,
+            "DCP not supported": use_dcp,
+            "R-SWA not supported": use_rswa,
+            "device-cpu query lens mismatch not supported, this is needed for adaptive "
+            "verification": use_adaptive_verification,
+            f"attention type {kind} not supported": vllm_attn_kind(kind) is None,
+            f"kv_cache_dtype {kv_cache_dtype!r} not supported": kv_cache_dtype is not None
+            and kv_cache_dtype not in cls.supported_kv_cache_dtypes,
+            f"kv_cache_dtype {kv_cache_dtype!r} with a {dtype} model: attnsdk stores K/V in "
+            "the model dtype or fp8": compute is not None and compute != dtype,
         }
-        for reason, failed in checks.items():
-            try:
-                if failed():
-                    reasons.append(reason)
-            except AttnSDKError:  # the backend itself is unavailable: reported above
-                continue
+        reasons += [reason for reason, failed in checks.items() if failed]
+        reasons += [
+            f"{name}={value!r} is not checked by attnsdk (a newer vLLM option)"
+            for name, value in newer_options.items()
+            if value not in (None, False, 0)
+        ]
         return reasons
 
     @classmethod
@@ -403,5 +433,34 @@ class AttnSDKAttentionBackend:
         return _backend(cls).capabilities.graph_support
 
 
-def _backend(cls: type[AttnSDKAttentionBackend]) -> Backend:
+def _backend(cls: type[AttnSDKAttentionBackendBase]) -> Backend:
     return resolve_backend(cls.attnsdk_backend)
+
+
+@functools.cache
+def vllm_classes() -> tuple[type, type, type]:
+    """The public (backend, builder, impl) classes, built on first use with vLLM's base classes
+    mixed in when vLLM is installed (and its version checked)."""
+    VLLM_VERSIONS.check()
+    module = "attnsdk.adapters.vllm"
+    impl = drop_in_class(
+        AttnSDKAttentionImplBase,
+        "AttnSDKAttentionImpl",
+        module,
+        (_VLLM_BACKEND_MODULE, "AttentionImpl"),
+    )
+    builder = drop_in_class(
+        AttnSDKMetadataBuilderBase,
+        "AttnSDKMetadataBuilder",
+        module,
+        (_VLLM_BACKEND_MODULE, "AttentionMetadataBuilder"),
+    )
+    backend = drop_in_class(
+        AttnSDKAttentionBackendBase,
+        "AttnSDKAttentionBackend",
+        module,
+        (_VLLM_BACKEND_MODULE, "AttentionBackend"),
+        impl_cls=impl,
+        builder_cls=builder,
+    )
+    return backend, builder, impl

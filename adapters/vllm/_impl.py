@@ -1,8 +1,8 @@
 """``AttnSDKAttentionImpl``: vLLM's per-layer ``AttentionImpl``, delegating to an attnsdk backend.
 
 Shape legend: T query rows (``num_actual_tokens`` of them real), Hq / Hkv heads, D head size.
-vLLM hands q/k/v as (T, H, D) or flattened (T, H * D) and an output buffer (T, Hq * D) or
-(T, Hq, D); results are written into that buffer and only its first ``num_actual_tokens`` rows.
+vLLM 0.33+ hands q/k/v as (T, H, D) and an output buffer (T, Hq, D); (T, H * D) is accepted
+too. Results are written into that buffer, only its first ``num_actual_tokens`` rows.
 """
 
 from __future__ import annotations
@@ -15,28 +15,30 @@ from attnsdk import (
     AttentionMetadata,
     InvalidInputError,
     KVCacheLayout,
-    Reason,
-    ReasonKind,
+    Plan,
     UnsupportedConfigError,
 )
-from attnsdk.adapters.vllm._adapter import NON_CAUSAL_TYPES, VLLMAdapter
-from attnsdk.adapters.vllm._resolve import BackendSpec, resolve_backend
+from attnsdk._checks import check_positive_float
+from attnsdk.adapters._common import AttnKind, refuse, resolve_backend
+from attnsdk.adapters.vllm._adapter import VLLMAdapter, vllm_attn_kind
+from attnsdk.adapters.vllm._layout import fp8_storage_dtype
 
 if TYPE_CHECKING:
     from attnsdk import KVCache, LayerSpec
+    from attnsdk.adapters._common import BackendSpec
     from attnsdk.adapters.vllm._backend import VLLMAttentionMetadata
-    from attnsdk.adapters.vllm._layout import VLLMKVLayout
 
-__all__ = ["AttnSDKAttentionImpl"]
+__all__ = ["AttnSDKAttentionImplBase"]
 
 
-class AttnSDKAttentionImpl:
-    """vLLM's ``AttentionImpl`` for one layer. vLLM constructs it with the arguments below."""
+class AttnSDKAttentionImplBase:
+    """vLLM's ``AttentionImpl`` for one layer. vLLM constructs it with the arguments below.
+
+    Use it as ``attnsdk.adapters.vllm.AttnSDKAttentionImpl`` (vLLM's base mixed in).
+    """
 
     attnsdk_backend: ClassVar[BackendSpec] = None
     adapter: ClassVar[VLLMAdapter] = VLLMAdapter()
-    kv_cache_layout: ClassVar[VLLMKVLayout | None] = None
-    """The layout vLLM allocated (the backend class binds it); None = detect from the tensor."""
     forward_includes_kv_cache_update: ClassVar[bool] = True
 
     # Attributes vLLM reads from every impl.
@@ -45,6 +47,7 @@ class AttnSDKAttentionImpl:
     supports_quant_query_input: ClassVar[bool] = False
     """vLLM must hand q in the compute dtype: attnsdk dequantises fp8 K/V itself."""
     supports_pcp: ClassVar[bool] = False
+    supports_dcp: ClassVar[bool] = False
     dcp_world_size: ClassVar[int] = 1
     dcp_rank: ClassVar[int] = 0
     pcp_world_size: ClassVar[int] = 1
@@ -65,21 +68,34 @@ class AttnSDKAttentionImpl:
         attn_type: str = "decoder",
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
+        **extra_impl_args: Any,
     ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
-        self.scale = float(scale)
+        self.scale = check_positive_float("scale", scale)
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        fp8_storage_dtype(kv_cache_dtype)  # an unknown name fails here, not at the first step
         self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = getattr(attn_type, "value", attn_type)
+        self.attn_type = str(getattr(attn_type, "value", attn_type))
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
         self.backend = resolve_backend(self.attnsdk_backend)
+        what = "attnsdk cannot serve this vLLM layer"
         if alibi_slopes is not None:
-            raise UnsupportedConfigError(
-                "attnsdk cannot serve this vLLM layer:",
-                [Reason(ReasonKind.CONFIGURATION, "alibi_slopes", "ALiBi is not supported")],
-            )
+            refuse(what, "alibi_slopes", "ALiBi is not supported")
+        kind = vllm_attn_kind(self.attn_type)
+        if kind is None:
+            refuse(what, "attn_type", f"{self.attn_type} is not mapped (cross-attention)")
+        self.kind: AttnKind = kind  # type: ignore[assignment]
+        # vLLM passes model-specific extras (use_alibi_sqrt, FlexAttention block sizes, ...)
+        # only to backends that asked for them; a set one asks for what attnsdk lacks.
+        for name, value in extra_impl_args.items():
+            if value is not None and value is not False:
+                refuse(what, name, f"is not served (found {value!r})")
+        if int(getattr(self, "dcp_world_size", 1)) > 1:
+            refuse(what, "decode_context_parallel_size", "> 1 (DCP) is not served")
+        if sinks is not None and not isinstance(sinks, torch.Tensor):
+            raise InvalidInputError("sinks", f"None or an fp32 ({num_heads},) tensor", repr(sinks))
         if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
             raise InvalidInputError(
                 "sinks.shape", f"({num_heads},) one per query head", tuple(sinks.shape)
@@ -94,7 +110,7 @@ class AttnSDKAttentionImpl:
                 logits_soft_cap=logits_soft_cap,
                 attn_type=self.attn_type,
                 has_sinks=sinks is not None,
-                causal=causal,
+                causal=causal and self.kind.causal,
             )
             for causal in (True, False)
         }
@@ -124,24 +140,33 @@ class AttnSDKAttentionImpl:
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V (unless vLLM did, or the layer shares another's), then attend."""
-        if output is None:
+        if not isinstance(output, torch.Tensor):
             raise InvalidInputError(
-                "output", "vLLM's preallocated output buffer (accept_output_buffer=True)", None
+                "output", "vLLM's preallocated (T, Hq, D) output buffer", _kind(output)
             )
-        if output_scale is not None or output_block_scale is not None:
-            raise UnsupportedConfigError(
-                "attnsdk cannot fuse output quantization into attention:",
-                [Reason(ReasonKind.CONFIGURATION, "output_scale", "is not supported")],
-            )
+        for name, scale in (
+            ("output_scale", output_scale),
+            ("output_block_scale", output_block_scale),
+        ):
+            if scale is not None:
+                refuse("attnsdk cannot fuse output quantization", name, "is not supported")
         if attn_metadata is None:
             return output.fill_(0)  # vLLM's profiling run
+        if not isinstance(getattr(attn_metadata, "plan", None), Plan):
+            raise InvalidInputError(
+                "attn_metadata",
+                "the VLLMAttentionMetadata that AttnSDKMetadataBuilder.build made",
+                _kind(attn_metadata),
+            )
+        if (key is None) != (value is None):
+            raise InvalidInputError("key/value", "both tensors or both None", "only one of them")
         n = attn_metadata.num_actual_tokens
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         q = _heads("query", query[:n], hq, d)
         out, out_is_view = _output_heads(output[:n], hq, d)
-        layer_spec = self._layers[attn_metadata.causal and self.attn_type not in NON_CAUSAL_TYPES]
+        layer_spec = self._layers[attn_metadata.causal]
         sinks = None if self.sinks is None else self.sinks.float()
-        if self.attn_type in NON_CAUSAL_TYPES:
+        if self.kind is AttnKind.ENCODER:
             if key is None or value is None:
                 raise InvalidInputError(
                     "key/value", "tensors (encoder attention has no KV cache)", None
@@ -189,7 +214,7 @@ class AttnSDKAttentionImpl:
         Uses ``KVCache.store``, whose boolean mask synchronises a CUDA device; the default path
         (``forward_includes_kv_cache_update``) stores through the backend instead.
         """
-        if self.attn_type in NON_CAUSAL_TYPES or key is None or value is None:
+        if self.kind is AttnKind.ENCODER or key is None or value is None:
             return
         if not self._writes_kv():
             return
@@ -217,6 +242,8 @@ class AttnSDKAttentionImpl:
 
     def _kv(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> KVCache:
         """The layer's cache views; wrapped once and reused while vLLM hands the same tensor."""
+        if not isinstance(kv_cache, torch.Tensor):
+            raise InvalidInputError("kv_cache", "a torch.Tensor", _kind(kv_cache))
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype, dtype)
         if key != self._cache_key or self._cache is None:
             self._cache = self.adapter.kv_cache(
@@ -225,7 +252,6 @@ class AttnSDKAttentionImpl:
                 self.head_size,
                 dtype=dtype,
                 kv_cache_dtype=self.kv_cache_dtype,
-                layout=self.kv_cache_layout,
             )
             self._cache_key = key
         return self._cache
@@ -303,8 +329,14 @@ def _scales(layer: Any, cache: KVCache) -> tuple[torch.Tensor | None, torch.Tens
     if not cache.layout.is_quantized:
         return None, None
     k_scale, v_scale = getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
-    if k_scale is None or v_scale is None:
+    if not isinstance(k_scale, torch.Tensor) or not isinstance(v_scale, torch.Tensor):
         raise InvalidInputError(
-            "layer._k_scale / layer._v_scale", "fp32 scale tensors for an fp8 KV cache", None
+            "layer._k_scale / layer._v_scale",
+            "fp32 scale tensors for an fp8 KV cache",
+            f"{_kind(k_scale)} / {_kind(v_scale)}",
         )
     return k_scale.float(), v_scale.float()
+
+
+def _kind(value: object) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"

@@ -23,7 +23,14 @@ import torch
 from attnsdk import InvalidInputError, KVCache, KVCacheLayout
 from attnsdk._kv import FP8_KV_DTYPES
 
-__all__ = ["VLLMKVLayout", "as_kv_layout", "detect_kv_layout", "fp8_storage_dtype", "wrap_kv_cache"]
+__all__ = [
+    "VLLMKVLayout",
+    "as_kv_layout",
+    "compute_dtype_by_name",
+    "detect_kv_layout",
+    "fp8_storage_dtype",
+    "wrap_kv_cache",
+]
 
 _FP8_BY_NAME: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
@@ -77,6 +84,12 @@ def fp8_storage_dtype(kv_cache_dtype: str | torch.dtype | None) -> torch.dtype |
         f"'auto', a compute dtype name or one of {sorted(_FP8_BY_NAME)}",
         repr(kv_cache_dtype),
     )
+
+
+def compute_dtype_by_name(kv_cache_dtype: str | None) -> torch.dtype | None:
+    """The compute dtype a ``kv_cache_dtype`` string names ("float16", "bfloat16", ...), else
+    None ("auto", fp8 names)."""
+    return _COMPUTE_BY_NAME.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
 
 
 def detect_kv_layout(

@@ -1,74 +1,36 @@
-"""Which attnsdk backend a drop-in class delegates to, vLLM's own symbols, and ``register()``."""
+"""vLLM's own symbols, ``bind`` (a drop-in class per attnsdk backend) and ``register()``."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from attnsdk import AttentionConfig, Backend, BackendUnavailableError, create_backend
+from attnsdk import BackendUnavailableError
+from attnsdk.adapters._common import BackendSpec, backend_key
 
-if TYPE_CHECKING:
-    from typing import TypeAlias
-
-__all__ = ["BackendSpec", "bind", "register", "resolve_backend", "vllm_symbol"]
-
-BackendSpec: TypeAlias = str | AttentionConfig | Backend | None
-"""A backend name, an ``AttentionConfig``, a ready instance, or None (``ATTNSDK_CONFIG`` /
-``ATTNSDK_BACKEND`` from the environment, else ``"auto"``)."""
+__all__ = ["BackendSpec", "bind", "register", "vllm_symbol"]
 
 _T = TypeVar("_T", bound=type)
 _LOCK = threading.Lock()
-_BACKENDS: dict[object, Backend] = {}
-_BOUND: dict[tuple[type, object, object], type] = {}
+_BOUND: dict[tuple[type, object], type] = {}
 
 
-def _key(spec: BackendSpec) -> object:
-    if spec is None:
-        # The environment decides, so it is part of the identity of the backend it gave.
-        return ("env", os.environ.get("ATTNSDK_CONFIG"), os.environ.get("ATTNSDK_BACKEND"))
-    if isinstance(spec, str):
-        return ("name", spec)
-    if isinstance(spec, AttentionConfig):
-        return ("config", spec.model_dump_json())
-    return ("instance", id(spec))
-
-
-def resolve_backend(spec: BackendSpec) -> Backend:
-    """The attnsdk backend for ``spec``, created once and shared by the builder and every layer.
-
-    Sharing matters: a plan is made by the builder's backend and consumed by each layer's.
-    """
-    if spec is not None and not isinstance(spec, (str, AttentionConfig)):
-        return spec
-    key = _key(spec)
-    with _LOCK:
-        backend = _BACKENDS.get(key)
-    if backend is None:
-        backend = create_backend(spec)
-        with _LOCK:
-            backend = _BACKENDS.setdefault(key, backend)
-    return backend
-
-
-def bind(base: _T, spec: BackendSpec, **attrs: object) -> _T:
-    """``base`` itself, or a subclass of it carrying ``attnsdk_backend = spec`` and ``attrs``.
+def bind(base: _T, spec: BackendSpec) -> _T:
+    """``base`` itself, or a subclass of it carrying ``attnsdk_backend = spec``.
 
     vLLM asks the backend class for its builder and impl classes; binding lets a one-line
     subclass of the backend class (``attnsdk_backend = "fa3"``) configure all three.
     """
-    if spec is getattr(base, "attnsdk_backend", None) and all(
-        getattr(base, k, None) == v for k, v in attrs.items()
-    ):
+    if spec is getattr(base, "attnsdk_backend", None):
         return base
-    key = (base, _key(spec), tuple(sorted(attrs.items(), key=lambda kv: kv[0])))
+    key = (base, backend_key(spec))
     with _LOCK:
         bound = _BOUND.get(key)
         if bound is None:
-            namespace = {"attnsdk_backend": spec, "__module__": base.__module__, **attrs}
+            namespace = {"attnsdk_backend": spec, "__module__": base.__module__}
             bound = type(base.__name__, (base,), namespace)
             bound.__qualname__ = base.__qualname__
             _BOUND[key] = bound
@@ -103,7 +65,7 @@ def register(
 ) -> Any:
     """Register the drop-in backend with vLLM's backend registry; returns the enum member.
 
-    Select it with ``--attention-backend CUSTOM`` (or ``VLLM_ATTENTION_BACKEND=CUSTOM``).
+    Select it with ``--attention-backend CUSTOM`` (``AttentionConfig(backend="CUSTOM")``).
     ``class_path`` may name a subclass that sets ``attnsdk_backend``. vLLM's worker processes
     need it too: call this from a ``vllm.general_plugins`` entry point (docs/adapters/vllm.md).
     """

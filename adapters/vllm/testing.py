@@ -1,12 +1,15 @@
 """Test doubles of vLLM's batch objects, built from an attnsdk ``BatchSpec`` (no vLLM needed).
 
-They follow vLLM's conventions: block 0 is the null block, every request's blocks are shuffled
-over 1..N-1, the block table is wider than needed (zero-filled), CUDA-graph padding requests have
-query length 0, seq_len 0 and a row of null blocks, and padding token rows have slot -1.
-``BatchSpec`` padding rows (``padded``) keep their lengths, read the null block and write nothing.
+They follow vLLM 0.33/0.34's conventions (the engine tier, tests/engines, checks them field by
+field against vLLM's own classes): block 0 is the null block, every request's blocks are
+shuffled over 1..N-1, the block table is wider than needed (zero-filled), CUDA-graph padding
+requests have query length 0, seq_len 0 and a row of null blocks, padding token rows have slot
+-1, and one layer's cache is the ``[num_blocks, Hkv, block_size, 2 * head_size]`` view (K‖V)
+over a buffer in one of vLLM's six physical layouts. ``BatchSpec`` padding rows (``padded``)
+keep their lengths, read the null block and write nothing.
 
 >>> from attnsdk.testing import BatchSpec
->>> batch = mock_vllm_batch(BatchSpec.decode(batch_size=2), layout="PACKED", pad_requests=1)
+>>> batch = mock_vllm_batch(BatchSpec.decode(batch_size=2), pad_requests=1)
 >>> tuple(batch.kv_cache.shape[1:]), batch.common_attn_metadata.num_reqs
 ((2, 16, 128), 3)
 """
@@ -14,19 +17,19 @@ query length 0, seq_len 0 and a row of null blocks, and padding token rows have 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import torch
 
+from attnsdk import InvalidInputError
 from attnsdk._kv import quantize
 from attnsdk.adapters.vllm._layout import VLLMKVLayout, as_kv_layout, fp8_storage_dtype
 from attnsdk.testing import BatchSpec, assign_pages
 
 __all__ = [
+    "PHYSICAL_LAYOUTS",
     "VLLM_BATCH_SPECS",
     "MockAttentionLayer",
     "MockCommonAttentionMetadata",
-    "MockLegacyCommonAttentionMetadata",
     "VLLMMockBatch",
     "make_kv_cache",
     "mock_common_attn_metadata",
@@ -44,23 +47,35 @@ VLLM_BATCH_SPECS: dict[str, BatchSpec] = {
         BatchSpec((1, 1, 1, 7, 7, 7), (512, 1024, 2048) * 2, "mixed_medium"),
         BatchSpec((1,) * 32, (2048,) * 32, "large_decode"),
         BatchSpec((32,) * 8, (4096,) * 8, "large_prefill"),
+        BatchSpec((1, 1, 1, 32, 32, 32), (1024, 2048, 4096) * 2, "mixed_large"),
         BatchSpec((1,), (1024,), "single_decode"),
         BatchSpec((64,), (1024,), "single_prefill"),
         BatchSpec((32, 64, 128, 256), (32, 64, 128, 256), "small_encoder_prefill"),
+        BatchSpec((256, 512, 1024, 2048), (256, 512, 1024, 2048), "medium_encoder_prefill"),
     )
 }
-"""The batch shapes of vLLM's own attention-backend tests (tests/v1/attention), by name.
+"""The 13 batch shapes of vLLM's own attention-backend tests (tests/v1/attention), by name.
 
 ``*_prefill`` with seq_len > query_len are chunked prefills over a cached context; the encoder
 prefill is run non-causally (``causal=False``)."""
 
-HostSeqLens = Literal["upper_bound", "exact", "legacy", "computed", "none"]
-"""Which host copy of seq_lens the mock carries, as vLLM versions do (see ``host_seq_lens``)."""
+PHYSICAL_LAYOUTS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+"""vLLM's ``KVCacheLayout`` members: memory order of the logical [L, B, H, N, C] axes (layers,
+blocks, KV heads, tokens in a block, K‖V content). LBNHC (token-major, "NHD") is vLLM's
+default; the B-first ones interleave layers inside a block."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass
 class MockCommonAttentionMetadata:
-    """Recent vLLM's ``CommonAttentionMetadata`` fields that attention backends read."""
+    """vLLM 0.33/0.34's ``CommonAttentionMetadata`` fields that attention backends read (a
+    mutable dataclass, as vLLM's is: its runners set ``causal`` and more on it)."""
 
     query_start_loc: torch.Tensor
     query_start_loc_cpu: torch.Tensor
@@ -71,42 +86,22 @@ class MockCommonAttentionMetadata:
     max_seq_len: int
     block_table_tensor: torch.Tensor
     slot_mapping: torch.Tensor
-    causal: bool = True
+    causal: bool | torch.Tensor = True
     seq_lens_cpu_upper_bound: torch.Tensor | None = None
-    _seq_lens_cpu: torch.Tensor | None = None
-    _num_computed_tokens_cpu: torch.Tensor | None = None
-
-    @property
-    def seq_lens_cpu(self) -> torch.Tensor:
-        """Recent vLLM's deprecated syncing property: adapters must never call it."""
-        raise RuntimeError("CommonAttentionMetadata.seq_lens_cpu syncs the device; never read it")
+    """Host copy of ``seq_lens`` (exact outside async speculative decoding)."""
 
 
-@dataclass(frozen=True, slots=True)
-class MockLegacyCommonAttentionMetadata:
-    """vLLM <= 0.11's ``CommonAttentionMetadata``: exact host copies as plain fields."""
-
-    query_start_loc: torch.Tensor
-    query_start_loc_cpu: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    num_computed_tokens_cpu: torch.Tensor
-    num_reqs: int
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    block_table_tensor: torch.Tensor
-    slot_mapping: torch.Tensor
-    causal: bool = True
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass
 class MockAttentionLayer:
-    """The attributes vLLM's ``Attention`` layer exposes to an impl: fp32 scales."""
+    """The attributes vLLM's ``Attention`` layer exposes to an impl: fp32 scales and their
+    host mirrors."""
 
     _k_scale: torch.Tensor
     _v_scale: torch.Tensor
     _q_scale: torch.Tensor
+    _k_scale_float: float = 1.0
+    _v_scale_float: float = 1.0
+    _q_scale_float: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +109,7 @@ class VLLMMockBatch:
     """One step as vLLM hands it to an attention backend, plus what tests need to check it."""
 
     spec: BatchSpec
-    common_attn_metadata: MockCommonAttentionMetadata | MockLegacyCommonAttentionMetadata
+    common_attn_metadata: MockCommonAttentionMetadata
     kv_cache: torch.Tensor
     """One layer's cache in ``layout`` (uint8 storage for fp8, like vLLM)."""
     layout: VLLMKVLayout
@@ -134,29 +129,34 @@ class VLLMMockBatch:
 def make_kv_cache(
     k_nhd: torch.Tensor,
     v_nhd: torch.Tensor,
-    layout: VLLMKVLayout | str,
-    memory: Literal["NHD", "HND"] = "NHD",
+    layout: VLLMKVLayout | str = VLLMKVLayout.PACKED,
+    physical: str = "LBNHC",
+    *,
+    num_layers: int = 1,
+    layer: int = 0,
 ) -> torch.Tensor:
-    """vLLM's tensor for one layer holding K and V ([N, P, Hkv, D] each) in ``layout``.
+    """One layer's cache tensor holding K and V ([N, P, Hkv, D] each).
 
-    ``memory`` is the physical order: NHD (token-major pages, vLLM's default) or HND.
-    fp8 inputs are stored as uint8, as vLLM allocates them.
+    ``PACKED`` (vLLM 0.29+): the ``[N, Hkv, P, 2D]`` view of layer ``layer`` in a buffer of
+    ``num_layers`` layers stored in the ``physical`` order (``PHYSICAL_LAYOUTS``), as vLLM's
+    ``create_kv_cache_views`` makes it. ``KV_BLOCKS`` / ``BLOCKS_KV``: the older 5-D layouts,
+    contiguous (forks that still use them). fp8 inputs are stored as uint8, as vLLM allocates.
     """
     layout = as_kv_layout(layout)
     n, p, h, d = k_nhd.shape
     dev, dt = k_nhd.device, k_nhd.dtype
-    hnd = memory == "HND"
     if layout is VLLMKVLayout.KV_BLOCKS:
-        t = torch.empty((2, n, h, p, d) if hnd else (2, n, p, h, d), dtype=dt, device=dev)
-        t = t.transpose(2, 3) if hnd else t
-        t[0], t[1] = k_nhd, v_nhd
+        t = torch.stack([k_nhd, v_nhd])
     elif layout is VLLMKVLayout.BLOCKS_KV:
-        t = torch.empty((n, 2, h, p, d) if hnd else (n, 2, p, h, d), dtype=dt, device=dev)
-        t = t.transpose(2, 3) if hnd else t
-        t[:, 0], t[:, 1] = k_nhd, v_nhd
+        t = torch.stack([k_nhd, v_nhd], dim=1)
     else:
-        t = torch.empty((n, h, p, 2 * d) if hnd else (n, p, h, 2 * d), dtype=dt, device=dev)
-        t = t if hnd else t.transpose(1, 2)  # logical [N, Hkv, P, 2D] either way
+        if physical not in PHYSICAL_LAYOUTS:
+            raise InvalidInputError("physical", f"one of {sorted(PHYSICAL_LAYOUTS)}", physical)
+        order = PHYSICAL_LAYOUTS[physical]
+        logical = (num_layers, n, h, p, 2 * d)
+        memory = torch.zeros(tuple(logical[i] for i in order), dtype=dt, device=dev)
+        full = memory.permute(*(order.index(i) for i in range(5)))  # back to [L, B, H, N, C]
+        t = full[layer]
         t[..., :d] = k_nhd.transpose(1, 2)
         t[..., d:] = v_nhd.transpose(1, 2)
     return t.view(torch.uint8) if dt in (torch.float8_e4m3fn, torch.float8_e5m2) else t
@@ -169,14 +169,14 @@ def mock_vllm_batch(
     num_kv_heads: int = 2,
     head_size: int = 64,
     block_size: int = 16,
-    layout: VLLMKVLayout | str = VLLMKVLayout.KV_BLOCKS,
-    memory: Literal["NHD", "HND"] = "NHD",
+    layout: VLLMKVLayout | str = VLLMKVLayout.PACKED,
+    physical: str = "LBNHC",
     dtype: torch.dtype = torch.float32,
     kv_cache_dtype: str = "auto",
     pad_requests: int = 0,
     pad_tokens: int = 0,
     causal: bool = True,
-    host_seq_lens: HostSeqLens = "upper_bound",
+    host_seq_lens: bool = True,
     sinks: bool = False,
     spare_blocks: int = 3,
     seed: int = 0,
@@ -205,7 +205,11 @@ def mock_vllm_batch(
     return VLLMMockBatch(
         spec=spec,
         common_attn_metadata=cm,
-        kv_cache=make_kv_cache(k_nhd.to(device), v_nhd.to(device), layout, memory),
+        # Layer 1 of a two-layer buffer: in the B-first layouts its blocks interleave with
+        # another layer's, as in vLLM's cross-layer layouts.
+        kv_cache=make_kv_cache(
+            k_nhd.to(device), v_nhd.to(device), layout, physical, num_layers=2, layer=1
+        ),
         layout=layout,
         block_size=block_size,
         query=randn(rows, num_heads, head_size),
@@ -215,6 +219,8 @@ def mock_vllm_batch(
             _k_scale=scales[0].reshape(()).to(device),
             _v_scale=scales[1].reshape(()).to(device),
             _q_scale=torch.ones((), device=device),
+            _k_scale_float=float(scales[0]),
+            _v_scale_float=float(scales[1]),
         ),
         sinks=torch.randn(num_heads, generator=gen).to(device) if sinks else None,
         block_table=table,
@@ -228,10 +234,10 @@ def mock_common_attn_metadata(
     pad_requests: int = 0,
     pad_tokens: int = 0,
     causal: bool = True,
-    host_seq_lens: HostSeqLens = "upper_bound",
+    host_seq_lens: bool = True,
     seed: int = 0,
     device: torch.device | str = "cpu",
-) -> MockCommonAttentionMetadata | MockLegacyCommonAttentionMetadata:
+) -> MockCommonAttentionMetadata:
     """Only the ``CommonAttentionMetadata`` of ``mock_vllm_batch`` (same arguments)."""
     gen = torch.Generator().manual_seed(seed)
     cm, _, _ = _metadata(
@@ -246,11 +252,11 @@ def _metadata(
     pad_requests: int,
     pad_tokens: int,
     causal: bool,
-    host: HostSeqLens,
+    host: bool,
     spare_blocks: int,
     gen: torch.Generator,
     device: torch.device | str,
-) -> tuple[MockCommonAttentionMetadata | MockLegacyCommonAttentionMetadata, torch.Tensor, int]:
+) -> tuple[MockCommonAttentionMetadata, torch.Tensor, int]:
     p = block_size
     query_lens = [*spec.query_lens, *([0] * pad_requests)]
     seq_lens = [*spec.seq_lens, *([0] * pad_requests)]
@@ -271,29 +277,17 @@ def _metadata(
     qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=qsl[1:])
     s_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-    computed = s_cpu - (qsl[1:] - qsl[:-1])
-    common: dict[str, Any] = {
-        "query_start_loc": qsl.to(device),
-        "query_start_loc_cpu": qsl,
-        "seq_lens": s_cpu.to(device),
-        "num_reqs": len(seq_lens),
-        "num_actual_tokens": spec.num_tokens,
-        "max_query_len": max(query_lens, default=0),
-        "max_seq_len": max(seq_lens, default=0),
-        "block_table_tensor": table.to(device),
-        "slot_mapping": torch.tensor(slots, dtype=torch.int64).to(device),
-        "causal": causal,
-    }
-    cm: MockCommonAttentionMetadata | MockLegacyCommonAttentionMetadata
-    if host == "legacy":
-        cm = MockLegacyCommonAttentionMetadata(
-            seq_lens_cpu=s_cpu.clone(), num_computed_tokens_cpu=computed, **common
-        )
-    else:
-        cm = MockCommonAttentionMetadata(
-            seq_lens_cpu_upper_bound=s_cpu.clone() if host == "upper_bound" else None,
-            _seq_lens_cpu=s_cpu.clone() if host == "exact" else None,
-            _num_computed_tokens_cpu=computed if host == "computed" else None,
-            **common,
-        )
+    cm = MockCommonAttentionMetadata(
+        query_start_loc=qsl.to(device),
+        query_start_loc_cpu=qsl,
+        seq_lens=s_cpu.to(device),
+        num_reqs=len(seq_lens),
+        num_actual_tokens=spec.num_tokens,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_table_tensor=table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        causal=causal,
+        seq_lens_cpu_upper_bound=s_cpu.clone() if host else None,
+    )
     return cm, table, num_blocks

@@ -35,7 +35,7 @@ def expected_step(
 ) -> Expected:
     """What one layer must return and leave in its buffers (call before running the step)."""
     fb = batch.forward_batch
-    pool = fb.token_to_kv_pool
+    pool = batch.model_runner.token_to_kv_pool
     hq, hkv, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim
     t = batch.q.shape[0]
     real = batch.real_tokens
@@ -45,7 +45,7 @@ def expected_step(
         loc = fb.out_cache_loc.cpu()[real]
         k_buf[loc] = batch.k.cpu().view(t, hkv, d)[real].to(k_buf.dtype)
         v_buf[loc] = batch.v.cpu().view(t, hkv, dv)[real].to(v_buf.dtype)
-    r2t = fb.req_to_token_pool.req_to_token.cpu().long()
+    r2t = batch.model_runner.req_to_token_pool.req_to_token.cpu().long()
     rows = fb.req_pool_indices.cpu().tolist()
     q_all = batch.q.cpu().double().view(t, hq, d)
     out = torch.zeros(t, hq, dv, dtype=torch.float64)

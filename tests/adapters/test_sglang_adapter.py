@@ -32,12 +32,20 @@ def adapter_of(batch):
 
 
 def cache_of(batch, adapter):
-    pool = batch.forward_batch.token_to_kv_pool
+    pool = batch.model_runner.token_to_kv_pool
     return adapter.kv_cache(pool.get_key_buffer(0), pool.get_value_buffer(0))
 
 
-def test_public_names_are_sorted_and_importable():
-    assert sglang.__all__ == sorted(sglang.__all__)
+def test_public_names_are_pinned_and_importable():
+    # ruff (RUF022) keeps the order; this pins the set.
+    assert set(sglang.__all__) == {
+        "SGLANG_VERSIONS",
+        "Lengths",
+        "SGLangAdapter",
+        "SGLangAttentionBackend",
+        "StepKind",
+        "step_kind",
+    }
     for name in sglang.__all__:
         assert getattr(sglang, name) is not None
 
@@ -49,12 +57,18 @@ def test_public_names_are_sorted_and_importable():
         (M.IDLE, StepKind.DECODE),
         (M.EXTEND, StepKind.EXTEND),
         (M.MIXED, StepKind.EXTEND),
-        (M.DRAFT_EXTEND, StepKind.EXTEND),
+        (M.DRAFT_EXTEND_V2, StepKind.EXTEND),
         (M.TARGET_VERIFY, StepKind.TARGET_VERIFY),
     ],
 )
 def test_step_kind_uses_sglang_predicates(mode, kind):
     assert step_kind(mode) is kind
+
+
+@pytest.mark.parametrize("mode", [M.DLLM_EXTEND, M.PREBUILT, M.SPLIT_PREFILL])
+def test_modes_with_other_semantics_are_refused(mode):
+    with pytest.raises(UnsupportedConfigError, match="forward_mode: expected"):
+        step_kind(mode)
 
 
 def test_unknown_mode_names_the_field():
@@ -210,7 +224,7 @@ def test_page_table_wider_than_req_to_token_raises():
 def test_kv_cache_is_a_view_of_sglang_buffers():
     batch = make_sglang_batch(BatchSpec((1,), (20,)), LAYER, M.DECODE, page_size=16)
     adapter = adapter_of(batch)
-    k_buf = batch.forward_batch.token_to_kv_pool.get_key_buffer(0)
+    k_buf = batch.model_runner.token_to_kv_pool.get_key_buffer(0)
     cache = cache_of(batch, adapter)
     assert cache.k.shape == (k_buf.shape[0] // 16, 16, 2, 16)
     assert cache.k.data_ptr() == k_buf.data_ptr()
@@ -241,18 +255,34 @@ def test_bad_constructor_arguments():
     ("window", "expected"), [(-1, None), (None, None), (0, 1), (4, 5), (4095, 4096)]
 )
 def test_layer_spec_window_convention(window, expected):
-    layer = MockRadixAttention(4, 2, 16, 16, 0.25, sliding_window_size=window)
+    layer = radix(4, 2, 16, 16, 0.25, sliding_window_size=window)
     spec = SGLangAdapter.layer_spec(adapter_of_empty(), layer)
     assert spec.sliding_window == expected
     assert (spec.num_heads, spec.num_kv_heads, spec.scale) == (4, 2, 0.25)
 
 
 def test_layer_spec_maps_logit_cap_and_encoder_only():
-    layer = MockRadixAttention(
-        4, 1, 16, 8, 0.25, logit_cap=30.0, attn_type=AttentionType.ENCODER_ONLY
-    )
+    layer = radix(4, 1, 16, 8, 0.25, logit_cap=30.0, attn_type=AttentionType.ENCODER_ONLY)
     spec = adapter_of_empty().layer_spec(layer, has_sinks=True)
     assert (spec.softcap, spec.causal, spec.v_dim, spec.has_sinks) == (30.0, False, 8, True)
+
+
+def test_decoder_bidirectional_is_non_causal():
+    layer = radix(4, 2, 16, 16, 0.25, attn_type=AttentionType.DECODER_BIDIRECTIONAL)
+    assert adapter_of_empty().layer_spec(layer).causal is False
+
+
+def radix(hq, hkv, d, dv, scaling, **kwargs):
+    return MockRadixAttention(
+        tp_q_head_num=hq,
+        tp_k_head_num=hkv,
+        tp_v_head_num=hkv,
+        head_dim=d,
+        qk_head_dim=d,
+        v_head_dim=dv,
+        scaling=scaling,
+        **kwargs,
+    )
 
 
 def adapter_of_empty():
@@ -286,7 +316,7 @@ def test_subclass_overriding_one_hook():
     out = dropin.forward(batch.q, batch.k, batch.v, batch.layer, batch.forward_batch)
     assert adapter.calls == 1
     torch.testing.assert_close(out.double(), expected.out, atol=1e-4, rtol=1e-4)
-    assert torch.equal(batch.forward_batch.token_to_kv_pool.k_buffer[0], expected.k_buffer)
+    assert torch.equal(batch.model_runner.token_to_kv_pool.k_buffer[0], expected.k_buffer)
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,18 @@ from sglang_dense import expected_step
 from attnsdk import (
     AttentionConfig,
     InvalidInputError,
+    InvalidMetadataError,
     LayerSpec,
     UnsupportedConfigError,
     create_backend,
 )
 from attnsdk.adapters.sglang import SGLangAttentionBackend
-from attnsdk.adapters.sglang.testing import ForwardMode, MockRadixAttention, make_sglang_batch
+from attnsdk.adapters.sglang.testing import (
+    ForwardMode,
+    MockRadixAttention,
+    VerifyInput,
+    make_sglang_batch,
+)
 from attnsdk.testing import BatchSpec, tolerance
 
 M = ForwardMode
@@ -33,7 +39,7 @@ CASES = [
     ("ragged0/8/16+15/8/1", M.EXTEND, (15, 8, 1), (15, 16, 17)),
     ("mixed", M.MIXED, (1, 15, 2, 1), (16, 15, 17, 33)),
     ("verify4@14/15/16", M.TARGET_VERIFY, (4, 4, 4), (18, 19, 20)),
-    ("draft_extend", M.DRAFT_EXTEND, (2, 4, 1), (17, 32, 16)),
+    ("draft_extend", M.DRAFT_EXTEND_V2, (2, 4, 1), (17, 32, 16)),
     ("idle", M.IDLE, (), ()),
 ]
 HEADS = {"gqa": (4, 2), "mqa": (4, 1)}
@@ -58,7 +64,7 @@ def check(batch, layer, out, *, expected):
     assert out.dtype == batch.q.dtype
     atol, rtol = tolerance(batch.q.dtype)
     torch.testing.assert_close(out[real].double(), exp.out[real], atol=atol, rtol=rtol)
-    pool = batch.forward_batch.token_to_kv_pool
+    pool = batch.model_runner.token_to_kv_pool
     assert torch.equal(pool.k_buffer[0], exp.k_buffer), "K buffer differs from the oracle"
     assert torch.equal(pool.v_buffer[0], exp.v_buffer), "V buffer differs from the oracle"
 
@@ -183,7 +189,7 @@ def test_forward_before_metadata_raises():
     ("change", "field"),
     [
         ({"is_cross_attention": True}, "is_cross_attention"),
-        ({"attn_type": "decoder_bidirectional"}, "attn_type"),
+        ({"attn_type": "decoder_fancy"}, "attn_type"),
     ],
 )
 def test_unmapped_layer_semantics_raise(change, field):
@@ -201,3 +207,146 @@ def test_idle_returns_zero_rows():
     batch = make_sglang_batch(BatchSpec((), ()), layer, M.IDLE, page_size=16)
     out = run(batch)
     assert out.shape == (0, 32)
+
+
+def test_idle_after_a_step_never_reuses_its_plan():
+    # SGLang runs IDLE steps (batch_size 0) without init_forward_metadata: the previous step's
+    # plan must not be used, and nothing may be written.
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1, 1), (20, 9)), layer, M.DECODE, page_size=16)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    dropin.init_forward_metadata(batch.forward_batch)
+    dropin.forward(batch.q, batch.k, batch.v, batch.layer, batch.forward_batch)
+    idle = dataclasses.replace(
+        batch.forward_batch,
+        forward_mode=M.IDLE,
+        batch_size=0,
+        req_pool_indices=batch.forward_batch.req_pool_indices[:0],
+        seq_lens=batch.forward_batch.seq_lens[:0],
+        seq_lens_cpu=batch.forward_batch.seq_lens_cpu[:0],
+        out_cache_loc=batch.forward_batch.out_cache_loc[:0],
+    )
+    pool = batch.model_runner.token_to_kv_pool
+    before = pool.k_buffer[0].clone()
+    out = dropin.forward(batch.q[:0], batch.k[:0], batch.v[:0], batch.layer, idle)
+    assert out.shape == (0, 4 * 16)
+    assert torch.equal(pool.k_buffer[0], before)
+
+
+@pytest.mark.parametrize(
+    ("kwarg", "value"),
+    [
+        ("return_lse", True),
+        ("q_rope", torch.zeros(1)),
+        ("k_descale", torch.ones(1)),
+        ("score_mod", lambda s: s),
+        ("a_future_option", 3),
+    ],
+)
+def test_keyword_arguments_not_served_are_refused(kwarg, value):
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (2,)), layer, M.DECODE, page_size=1)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    dropin.init_forward_metadata(batch.forward_batch)
+    with pytest.raises(UnsupportedConfigError, match=rf"forward: {kwarg} is not served \(found "):
+        dropin.forward(
+            batch.q, batch.k, batch.v, batch.layer, batch.forward_batch, **{kwarg: value}
+        )
+
+
+def test_keyword_arguments_at_their_defaults_are_accepted():
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (9,)), layer, M.DECODE, page_size=4)
+    expected = expected_step(batch, layer)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    dropin.init_forward_metadata(batch.forward_batch)
+    out = dropin.forward(
+        batch.q, batch.k, batch.v, batch.layer, batch.forward_batch,
+        return_lse=False, q_rope=None, k_descale=None, score_mod=None,
+    )  # fmt: skip
+    check(batch, layer, out, expected=expected)
+
+
+class NgramVerifyInput:
+    """SGLang's NGRAM verify input: a token tree, and no ``topk`` attribute."""
+
+    def __init__(self, draft_token_num):
+        self.draft_token_num = draft_token_num
+        self.custom_mask = None
+
+
+@pytest.mark.parametrize(
+    ("spec_info", "match"),
+    [
+        (NgramVerifyInput(3), "without topk"),
+        (VerifyInput(3, topk=4), "topk: expected 1"),
+    ],
+    ids=["ngram", "eagle-tree"],
+)
+def test_tree_verify_is_refused_never_served_as_a_chain(spec_info, match):
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((3, 3), (10, 12)), layer, M.TARGET_VERIFY, page_size=4)
+    fb = dataclasses.replace(batch.forward_batch, spec_info=spec_info)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    with pytest.raises(UnsupportedConfigError, match=match):
+        dropin.init_forward_metadata(fb)
+
+
+def test_data_parallel_padded_extend_serves_the_real_tokens():
+    # ForwardBatch._pad_inputs_to_size pads an EXTEND batch with extra tokens (slot 0) that no
+    # sequence owns; RadixAttention hands the backend the real rows.
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((3, 2), (9, 2)), layer, M.EXTEND, page_size=4, seed=3)
+    expected = expected_step(batch, layer)
+    fb = batch.forward_batch
+    padded = dataclasses.replace(
+        fb, out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(3, dtype=torch.int64)])
+    )
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    dropin.init_forward_metadata(padded)
+    out = dropin.forward(batch.q, batch.k, batch.v, batch.layer, padded)
+    check(batch, layer, out, expected=expected)
+
+
+def test_pools_are_read_from_the_model_runner_not_the_batch():
+    # SGLang 0.5.13+ ForwardBatch has no token_to_kv_pool; forward_context reads the pools off
+    # the attention backend.
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (5,)), layer, M.DECODE, page_size=4)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    assert dropin.token_to_kv_pool is batch.model_runner.token_to_kv_pool
+    assert dropin.req_to_token_pool is batch.model_runner.req_to_token_pool
+    assert not hasattr(batch.forward_batch, "token_to_kv_pool")
+
+
+def test_a_reallocated_pool_is_wrapped_again():
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (5,)), layer, M.DECODE, page_size=4, seed=1)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    dropin.init_forward_metadata(batch.forward_batch)
+    dropin.forward(batch.q, batch.k, batch.v, batch.layer, batch.forward_batch)
+    pool = batch.model_runner.token_to_kv_pool
+    fresh = batch.clone()
+    pool.k_buffer[0] = fresh.model_runner.token_to_kv_pool.k_buffer[0]
+    pool.v_buffer[0] = fresh.model_runner.token_to_kv_pool.v_buffer[0]
+    expected = expected_step(fresh, layer)
+    out = dropin.forward(fresh.q, fresh.k, fresh.v, fresh.layer, fresh.forward_batch)
+    check(fresh, layer, out, expected=expected)
+
+
+def test_q_of_the_wrong_width_is_a_typed_error():
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (5,)), layer, M.DECODE, page_size=4)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    dropin.init_forward_metadata(batch.forward_batch)
+    with pytest.raises(InvalidInputError, match=r"^q\.shape: expected"):
+        dropin.forward(batch.q[:, :-1], batch.k, batch.v, batch.layer, batch.forward_batch)
+
+
+def test_out_of_range_request_row_is_a_typed_error():
+    layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    batch = make_sglang_batch(BatchSpec((1,), (5,)), layer, M.DECODE, page_size=4)
+    fb = dataclasses.replace(batch.forward_batch, req_pool_indices=torch.tensor([999]))
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    with pytest.raises(InvalidMetadataError, match=r"req_pool_indices\[0\]"):
+        dropin.init_forward_metadata(fb)

@@ -56,18 +56,19 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("hooks", ["out_graph", "legacy"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(
     ("name", "mode", "spec", "spec_info", "capture"), CASES, ids=[c[0] for c in CASES]
 )
-def test_replay_with_padding_equals_eager(name, mode, spec, spec_info, capture, page_size):
+def test_replay_with_padding_equals_eager(name, mode, spec, spec_info, capture, page_size, hooks):
     batch = make_sglang_batch(spec, LAYER, mode, page_size=page_size, seed=5)
     reference = batch.clone()
     expected = expected_step(batch, LAYER)
     eager_out = eager(reference)
 
     dropin = SGLangAttentionBackend(batch.model_runner, "reference")
-    runner = MockCudaGraphRunner(dropin, batch.model_runner, capture, mode, spec_info)
+    runner = MockCudaGraphRunner(dropin, batch.model_runner, capture, mode, spec_info, hooks=hooks)
     state = dropin._graph[0]
     before = static_buffers(state)
     captured = dict(dropin._graph_plans)
@@ -116,7 +117,7 @@ def test_stale_request_rows_in_padding_never_write_real_pages():
     reference = batch.clone()
     eager_out = eager(reference)
     dropin = SGLangAttentionBackend(batch.model_runner, "reference")
-    runner = MockCudaGraphRunner(dropin, batch.model_runner, [4, 8])
+    runner = MockCudaGraphRunner(dropin, batch.model_runner, [4, 8], hooks="legacy")
     runner.req_pool_indices[3:].copy_(batch.forward_batch.req_pool_indices[0])
     out, static = replay(batch, runner, dropin)
     assert static.batch_size == 4
@@ -126,11 +127,12 @@ def test_stale_request_rows_in_padding_never_write_real_pages():
     assert torch.equal(got[16:], want[16:])
 
 
-def test_successive_replays_reuse_the_buffers():
+@pytest.mark.parametrize("hooks", ["out_graph", "legacy"])
+def test_successive_replays_reuse_the_buffers(hooks):
     spec = BatchSpec((1,) * 4, (15, 16, 17, 33))
     batch = make_sglang_batch(spec, LAYER, M.DECODE, page_size=16, seed=2)
     dropin = SGLangAttentionBackend(batch.model_runner, "reference")
-    runner = MockCudaGraphRunner(dropin, batch.model_runner, [2, 4])
+    runner = MockCudaGraphRunner(dropin, batch.model_runner, [2, 4], hooks=hooks)
     state = dropin._graph[0]
     before = static_buffers(state)
     for rows in (4, 1, 3, 2):

@@ -12,7 +12,7 @@ import torch
 from attnsdk import InvalidInputError, InvalidMetadataError
 from attnsdk.adapters.vllm import VLLMAdapter, VLLMKVLayout, detect_kv_layout
 from attnsdk.adapters.vllm.testing import (
-    MockLegacyCommonAttentionMetadata,
+    PHYSICAL_LAYOUTS,
     make_kv_cache,
     mock_common_attn_metadata,
     mock_vllm_batch,
@@ -81,32 +81,23 @@ def test_num_reqs_slices_wider_buffers() -> None:
     assert meta.query_start_loc.tolist() == [0, 2, 3]
 
 
-@pytest.mark.parametrize(
-    ("host", "expected_source"),
-    [
-        ("upper_bound", "seq_lens_cpu_upper_bound"),
-        ("exact", "_seq_lens_cpu"),
-        ("legacy", "seq_lens_cpu"),
-        ("computed", "_num_computed_tokens_cpu"),
-    ],
-)
-def test_host_seq_lens_sources_without_sync(host: str, expected_source: str) -> None:
-    """Device seq_lens are never read on the host; recent vLLM's syncing property never touched."""
+def test_host_seq_lens_without_sync() -> None:
+    """Device seq_lens are never read on the host: vLLM's upper bound is taken as it is."""
     spec = BatchSpec((1, 3, 2), (12, 3, 40))
-    cm = mock_common_attn_metadata(spec, host_seq_lens=host)  # type: ignore[arg-type]
+    cm = mock_common_attn_metadata(spec)
     # A meta tensor has no data: reading it on the host would fail loudly.
     on_device = dataclasses.replace(cm, seq_lens=torch.empty(3, dtype=torch.int32, device="meta"))
-    got = ADAPTER.host_seq_lens(on_device, 3, cm.query_start_loc_cpu)
+    got = ADAPTER.host_seq_lens(on_device, 3)
     assert got.tolist() == [12, 3, 40]
-    if expected_source != "_num_computed_tokens_cpu":
-        assert got.data_ptr() == getattr(cm, expected_source).data_ptr()
+    assert cm.seq_lens_cpu_upper_bound is not None
+    assert got.data_ptr() == cm.seq_lens_cpu_upper_bound.data_ptr()
 
 
 def test_missing_host_seq_lens_is_a_clear_error() -> None:
-    cm = mock_common_attn_metadata(BatchSpec((1,), (5,)), host_seq_lens="none")
+    cm = mock_common_attn_metadata(BatchSpec((1,), (5,)), host_seq_lens=False)
     on_device = dataclasses.replace(cm, seq_lens=torch.empty(1, dtype=torch.int32, device="meta"))
     with pytest.raises(InvalidMetadataError, match=r"override VLLMAdapter\.host_seq_lens"):
-        ADAPTER.host_seq_lens(on_device, 1, cm.query_start_loc_cpu)
+        ADAPTER.host_seq_lens(on_device, 1)
 
 
 def test_subclass_hook_overrides_one_field() -> None:
@@ -116,12 +107,6 @@ def test_subclass_hook_overrides_one_field() -> None:
 
     cm = mock_common_attn_metadata(BatchSpec((1,), (5,)))
     assert int(Fork().build_metadata(cm).page_table[0, 0]) == int(cm.block_table_tensor[0, 0]) + 100
-
-
-def test_legacy_metadata_class() -> None:
-    cm = mock_common_attn_metadata(BatchSpec((2,), (9,)), host_seq_lens="legacy")
-    assert isinstance(cm, MockLegacyCommonAttentionMetadata)
-    assert ADAPTER.build_metadata(cm).seq_lens_cpu.tolist() == [9]
 
 
 def test_causal_flag() -> None:
@@ -169,17 +154,32 @@ def test_layer_spec_follows_vllm_conventions() -> None:
 
 
 def _kv(
-    layout: str, memory: str = "NHD", n: int = N
+    layout: str, physical: str = "LBNHC", n: int = N, num_layers: int = 1, layer: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     k = torch.randn(n, P, H, D)
     v = torch.randn(n, P, H, D)
-    return make_kv_cache(k, v, layout, memory), k, v  # type: ignore[arg-type]
+    t = make_kv_cache(k, v, layout, physical, num_layers=num_layers, layer=layer)
+    return t, k, v
 
 
-@pytest.mark.parametrize("memory", ["NHD", "HND"])
-@pytest.mark.parametrize("layout", list(VLLMKVLayout), ids=lambda x: x.name)
-def test_layouts_are_detected_and_viewed_without_copy(layout: VLLMKVLayout, memory: str) -> None:
-    t, k, v = _kv(layout.name, memory)
+LAYOUT_CASES = [
+    *((VLLMKVLayout.PACKED, physical, 3) for physical in PHYSICAL_LAYOUTS),
+    (VLLMKVLayout.KV_BLOCKS, "LBNHC", 1),
+    (VLLMKVLayout.BLOCKS_KV, "LBNHC", 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "physical", "num_layers"),
+    LAYOUT_CASES,
+    ids=[f"{c[0].name}-{c[1]}" for c in LAYOUT_CASES],
+)
+def test_layouts_are_detected_and_viewed_without_copy(
+    layout: VLLMKVLayout, physical: str, num_layers: int
+) -> None:
+    # The middle layer of a multi-layer buffer: in the B-first layouts its blocks interleave
+    # with the other layers' blocks.
+    t, k, v = _kv(layout.name, physical, num_layers=num_layers, layer=num_layers // 2)
     assert detect_kv_layout(t, H, D) is layout
     cache = ADAPTER.kv_cache(t, H, D)
     assert torch.equal(cache.k, k)
@@ -262,7 +262,7 @@ def test_public_names_are_pinned() -> None:
     import attnsdk.adapters.vllm as vllm_adapter
 
     assert vllm_adapter.__all__ == [
-        "ENCODER_ONLY",
+        "VLLM_VERSIONS",
         "AttnSDKAttentionBackend",
         "AttnSDKAttentionImpl",
         "AttnSDKMetadataBuilder",

@@ -20,7 +20,6 @@ from attnsdk.adapters.vllm import (
     AttnSDKAttentionBackend,
     AttnSDKMetadataBuilder,
     VLLMCudaGraphSupport,
-    VLLMKVLayout,
     register,
 )
 from attnsdk.adapters.vllm.testing import VLLM_BATCH_SPECS, mock_vllm_batch
@@ -33,29 +32,12 @@ class RefBackend(AttnSDKAttentionBackend):
     attnsdk_backend = "reference"
 
 
-@pytest.mark.parametrize(
-    ("layout", "shape", "order"),
-    [
-        (VLLMKVLayout.KV_BLOCKS, (2, 10, 16, 4, 64), (0, 1, 2, 3, 4)),
-        (VLLMKVLayout.BLOCKS_KV, (10, 2, 16, 4, 64), (0, 1, 2, 3, 4)),
-        (VLLMKVLayout.PACKED, (10, 4, 16, 128), (0, 2, 1, 3)),
-    ],
-)
-def test_kv_cache_shape_and_stride_order(
-    layout: VLLMKVLayout, shape: tuple[int, ...], order: tuple[int, ...]
-) -> None:
-    cls = type("B", (RefBackend,), {"kv_cache_layout": layout})
-    assert cls.get_kv_cache_shape(10, 16, 4, 64) == shape
-    assert cls.get_kv_cache_stride_order() == order
-    assert cls.get_kv_cache_stride_order(include_num_layers_dimension=True) == (
-        0,
-        *(i + 1 for i in order),
-    )
-    # What vLLM allocates from these (shape permuted by the stride order) reads back as `layout`.
-    physical = torch.zeros(tuple(shape[i] for i in order))
-    logical = physical.permute(*(order.index(i) for i in range(len(order))))
-    impl = cls.get_impl_cls()(8, 64, 0.125, 4)
-    assert impl._kv(logical, torch.float32).k.shape == (10, 16, 4, 64)
+def test_vllm_owns_the_cache_layout() -> None:
+    """vLLM 0.29+ allocates every layer's cache itself and hands a [N, Hkv, P, 2D] view in any
+    of its physical layouts; the drop-in votes for none and defines no shape hooks."""
+    assert RefBackend.supported_kv_cache_layouts() is None
+    for gone in ("get_kv_cache_shape", "get_kv_cache_stride_order", "kv_cache_layout"):
+        assert not hasattr(RefBackend, gone), gone
 
 
 def test_subclass_configures_builder_and_impl() -> None:
@@ -91,6 +73,10 @@ def test_validate_configuration_returns_reasons() -> None:
     ok = RefBackend.validate_configuration(128, torch.bfloat16, "auto", 16, False, False, False)
     assert ok == []
     assert RefBackend.validate_configuration(128, torch.float16, "fp8", 16) == []
+    assert (
+        RefBackend.validate_configuration(64, torch.float16, "auto", 16, has_sliding_window=True)
+        == []
+    )
     reasons = RefBackend.validate_configuration(
         2048, torch.float64, "int8", 16, use_mla=True, use_sparse=True
     )
@@ -104,6 +90,31 @@ def test_validate_configuration_returns_reasons() -> None:
         "unknown attention backend"
         in unavailable.validate_configuration(64, torch.float16, "auto", 16)[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "needle"),
+    [
+        ("use_dcp", "DCP not supported"),
+        ("use_pcp", "PCP not supported"),
+        ("use_rswa", "R-SWA not supported"),
+        ("use_adaptive_verification", "adaptive verification"),
+        ("use_batch_invariant", "batch invariance"),
+        ("use_some_future_feature", "use_some_future_feature=True is not checked by attnsdk"),
+    ],
+)
+def test_validate_configuration_refuses_every_flag_it_does_not_serve(
+    flag: str, needle: str
+) -> None:
+    reasons = RefBackend.validate_configuration(64, torch.bfloat16, "auto", 16, **{flag: True})
+    assert any(needle in r for r in reasons), reasons
+    assert RefBackend.validate_configuration(64, torch.bfloat16, "auto", 16, **{flag: False}) == []
+
+
+def test_a_kv_cache_dtype_other_than_the_model_dtype_is_refused_up_front() -> None:
+    reasons = RefBackend.validate_configuration(64, torch.bfloat16, "float16", 16)
+    assert any("kv_cache_dtype 'float16' with a torch.bfloat16 model" in r for r in reasons)
+    assert RefBackend.validate_configuration(64, torch.float16, "float16", 16) == []
 
 
 def test_support_queries() -> None:
@@ -124,6 +135,9 @@ def test_support_queries() -> None:
     assert not RefBackend.supports_mm_prefix()
     # Without vLLM loaded the kernel block sizes are plain ints and the graph level our own enum.
     assert RefBackend.get_supported_kernel_block_sizes() == [1]
+    assert RefBackend.get_supported_kernel_block_sizes(object()) == [1]  # vLLM passes the spec
+    assert not RefBackend.supports_device_cpu_query_lens_mismatch()
+    assert RefBackend.supports_sliding_window()
     assert (
         RefBackend.get_builder_cls().get_cudagraph_support(None, None) is VLLMCudaGraphSupport.NEVER
     )
@@ -133,6 +147,13 @@ def test_unsupported_layer_features_raise_with_reasons() -> None:
     impl_cls = RefBackend.get_impl_cls()
     with pytest.raises(UnsupportedConfigError, match="ALiBi"):
         impl_cls(4, 32, 0.1, 2, alibi_slopes=[0.5] * 4)
+    with pytest.raises(UnsupportedConfigError, match="attn_type encoder_decoder"):
+        impl_cls(4, 32, 0.1, 2, attn_type="encoder_decoder")
+    with pytest.raises(
+        UnsupportedConfigError, match=r"use_alibi_sqrt is not served \(found True\)"
+    ):
+        impl_cls(4, 32, 0.1, 2, use_alibi_sqrt=True)
+    assert impl_cls(4, 32, 0.1, 2, use_alibi_sqrt=False).num_heads == 4
     with pytest.raises(InvalidInputError, match=r"sinks\.shape"):
         impl_cls(4, 32, 0.1, 2, sinks=torch.zeros(3))
 
@@ -219,3 +240,24 @@ def test_supports_compute_capability_honours_both_bounds() -> None:
     assert cls.supports_compute_capability(cc(9, 0))
     assert not cls.supports_compute_capability(cc(8, 9))
     assert not cls.supports_compute_capability(cc(10, 0))
+
+
+def test_a_builder_of_kv_sharing_layers_plans_no_writes() -> None:
+    """vLLM's KV-sharing fast prefill gives the sharing layers their own builder and cuts their
+    batch to the logits rows while the slot mapping stays the full batch's: they write nothing."""
+    from types import SimpleNamespace
+
+    batch, _, _ = _step(VLLM_BATCH_SPECS["mixed_small"])
+    context = {
+        "l0": SimpleNamespace(kv_sharing_target_layer_name=None),
+        "l1": SimpleNamespace(kv_sharing_target_layer_name="l0"),
+    }
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context))
+    builder_cls = RefBackend.get_builder_cls()
+    sharing = builder_cls(None, ["l1"], config, torch.device("cpu"))
+    owning = builder_cls(None, ["l0", "l1"], config, torch.device("cpu"))
+    cm = batch.common_attn_metadata
+    assert sharing.build(0, cm).metadata.slot_mapping.eq(-1).all()
+    assert torch.equal(
+        owning.build(0, cm).metadata.slot_mapping, cm.slot_mapping[: cm.num_actual_tokens]
+    )

@@ -15,11 +15,17 @@ import pytest
 import torch
 
 from attnsdk.adapters.vllm import AttnSDKAttentionBackend, VLLMKVLayout
-from attnsdk.adapters.vllm.testing import VLLM_BATCH_SPECS, VLLMMockBatch, mock_vllm_batch
+from attnsdk.adapters.vllm.testing import (
+    PHYSICAL_LAYOUTS,
+    VLLM_BATCH_SPECS,
+    VLLMMockBatch,
+    mock_vllm_batch,
+)
 from attnsdk.testing import BatchSpec
 
 HQ, HKV, D = 4, 2, 32
-LAYOUTS = list(VLLMKVLayout)
+LAYOUTS = list(PHYSICAL_LAYOUTS)
+"""vLLM 0.29+ hands every layer a [N, Hkv, P, 2D] view over one of these physical layouts."""
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -142,7 +148,6 @@ def run_dropin(
         (AttnSDKAttentionBackend,),
         {
             "attnsdk_backend": "reference",
-            "kv_cache_layout": batch.layout,
             "forward_includes_kv_cache_update": not split_update,
         },
     )
@@ -208,33 +213,19 @@ def check(
 # ---- the cases ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+@pytest.mark.parametrize("physical", LAYOUTS)
 @pytest.mark.parametrize("name", sorted(VLLM_BATCH_SPECS))
-def test_vllm_batch_shapes(name: str, layout: VLLMKVLayout) -> None:
+def test_vllm_batch_shapes(name: str, physical: str) -> None:
     spec = VLLM_BATCH_SPECS[name]
     causal = "encoder" not in name
     batch = mock_vllm_batch(
-        spec, num_heads=HQ, num_kv_heads=HKV, head_size=D, layout=layout, causal=causal, seed=7
+        spec, num_heads=HQ, num_kv_heads=HKV, head_size=D, physical=physical, causal=causal, seed=7
     )
     check(batch)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_head_major_memory(layout: VLLMKVLayout) -> None:
-    batch = mock_vllm_batch(
-        VLLM_BATCH_SPECS["mixed_small"],
-        num_heads=HQ,
-        num_kv_heads=HKV,
-        head_size=D,
-        layout=layout,
-        memory="HND",
-        seed=3,
-    )
-    check(batch)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_cuda_graph_padding(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("physical", LAYOUTS)
+def test_cuda_graph_padding(physical: str) -> None:
     """Padded requests (query 0, seq 0, null block) and padded token rows (slot -1)."""
     spec = BatchSpec.mixed(batch_size=5, seed=2).with_padding(rows=2)
     batch = mock_vllm_batch(
@@ -242,7 +233,7 @@ def test_cuda_graph_padding(layout: VLLMKVLayout) -> None:
         num_heads=HQ,
         num_kv_heads=HKV,
         head_size=D,
-        layout=layout,
+        physical=physical,
         pad_requests=3,
         pad_tokens=5,
         seed=4,
@@ -250,8 +241,8 @@ def test_cuda_graph_padding(layout: VLLMKVLayout) -> None:
     check(batch)  # the null block is part of the cache comparison: it must stay untouched
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_encoder_only_dropin(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("physical", LAYOUTS)
+def test_encoder_only_dropin(physical: str) -> None:
     """ENCODER_ONLY layers attend this step's k/v bidirectionally; vLLM gives them no cache."""
     spec = VLLM_BATCH_SPECS["small_encoder_prefill"]
     batch = mock_vllm_batch(
@@ -259,7 +250,7 @@ def test_encoder_only_dropin(layout: VLLMKVLayout) -> None:
         num_heads=HQ,
         num_kv_heads=HKV,
         head_size=D,
-        layout=layout,
+        physical=physical,
         causal=False,
         pad_requests=1,
         pad_tokens=3,
@@ -281,7 +272,7 @@ def test_sliding_window(causal: bool) -> None:
         head_size=D,
         causal=causal,
         seed=8,
-        layout="PACKED",
+        physical="BLNHC",
     )
     check(batch, window=9)
 
@@ -296,14 +287,14 @@ def test_encoder_only_window_is_symmetric() -> None:
         torch.testing.assert_close(out[q0 : q0 + ref.shape[0]].double(), ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_sinks_and_softcap(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("physical", LAYOUTS)
+def test_sinks_and_softcap(physical: str) -> None:
     batch = mock_vllm_batch(
         VLLM_BATCH_SPECS["mixed_small"],
         num_heads=HQ,
         num_kv_heads=HKV,
         head_size=D,
-        layout=layout,
+        physical=physical,
         sinks=True,
         seed=9,
     )
@@ -311,15 +302,15 @@ def test_sinks_and_softcap(layout: VLLMKVLayout) -> None:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_fp8_kv_cache(layout: VLLMKVLayout, kv_cache_dtype: str) -> None:
+@pytest.mark.parametrize("physical", LAYOUTS)
+def test_fp8_kv_cache(physical: str, kv_cache_dtype: str) -> None:
     """uint8 storage and the layer's _k_scale / _v_scale, as vLLM sets them up."""
     batch = mock_vllm_batch(
         BatchSpec.mixed(batch_size=4, seed=3),
         num_heads=HQ,
         num_kv_heads=HKV,
         head_size=D,
-        layout=layout,
+        physical=physical,
         kv_cache_dtype=kv_cache_dtype,
         dtype=torch.bfloat16,
         seed=10,
@@ -340,15 +331,15 @@ def test_bf16_three_dim_output() -> None:
     check(batch, flat=False, atol=2e-2)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_split_kv_update(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("physical", LAYOUTS)
+def test_split_kv_update(physical: str) -> None:
     """forward_includes_kv_cache_update=False: vLLM calls do_kv_cache_update, then forward."""
     batch = mock_vllm_batch(
         BatchSpec.chunked_prefill(seed=2).with_padding(),
         num_heads=HQ,
         num_kv_heads=HKV,
         head_size=D,
-        layout=layout,
+        physical=physical,
         pad_tokens=2,
         seed=12,
     )

@@ -36,7 +36,10 @@ def test_info() -> None:
     status: dict[str, str] = {}
     reasons: dict[str, list[str]] = {}
     name = ""
-    for line in lines[3:]:
+    engines = lines.index("engine adapters (tested releases; make test-engines):")
+    assert lines[engines + 1].split()[:4] == ["sglang", "0.5.12.post1", "..", "0.5.23,"]
+    assert lines[engines + 2].split()[:4] == ["vllm", "0.33.0", "..", "0.34.0,"]
+    for line in lines[3:engines]:
         if line.startswith("      - "):  # a reason of the backend above
             reasons[name].append(line.strip()[2:])
         else:

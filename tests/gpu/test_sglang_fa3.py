@@ -31,7 +31,7 @@ CASES = [
     ("ragged0/8/16+15/8/1", M.EXTEND, (15, 8, 1), (15, 16, 17)),
     ("mixed", M.MIXED, (1, 15, 2, 1), (16, 15, 17, 33)),
     ("verify4@14/15/16", M.TARGET_VERIFY, (4, 4, 4), (18, 19, 20)),
-    ("draft_extend", M.DRAFT_EXTEND, (2, 4, 1), (17, 32, 16)),
+    ("draft_extend", M.DRAFT_EXTEND_V2, (2, 4, 1), (17, 32, 16)),
     ("idle", M.IDLE, (), ()),
 ]
 HEADS = {"gqa": (8, 2), "mqa": (8, 1)}
@@ -145,8 +145,9 @@ def test_save_kv_cache_false_leaves_buffers():
     ],
     ids=["decode", "verify"],
 )
+@pytest.mark.parametrize("hooks", ["out_graph", "legacy"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_replay_hooks_with_padding_match_eager(mode, spec, spec_info, capture, page_size):
+def test_replay_hooks_with_padding_match_eager(mode, spec, spec_info, capture, page_size, hooks):
     layer = LayerSpec(num_heads=8, num_kv_heads=2, head_dim=128, sliding_window=9)
     fa3_or_skip(layer, page_size, torch.bfloat16)
     batch = make_sglang_batch(
@@ -155,7 +156,7 @@ def test_replay_hooks_with_padding_match_eager(mode, spec, spec_info, capture, p
     ref_batch = batch.clone()
     ref = run(ref_batch, "reference")
     dropin = SGLangAttentionBackend(batch.model_runner, "fa3")
-    runner = MockCudaGraphRunner(dropin, batch.model_runner, capture, mode, spec_info)
+    runner = MockCudaGraphRunner(dropin, batch.model_runner, capture, mode, spec_info, hooks=hooks)
     static = runner.replay_prepare(batch.forward_batch)
     q, k, v = (runner.pad_tokens(x, static.batch_size) for x in (batch.q, batch.k, batch.v))
     out = dropin.forward(q, k, v, batch.layer, static)[: batch.q.shape[0]]
@@ -166,7 +167,8 @@ def test_replay_hooks_with_padding_match_eager(mode, spec, spec_info, capture, p
     assert torch.equal(got[page_size:], want[page_size:]), "padding wrote outside page 0"
 
 
-def test_cuda_graph_capture_and_replay_decode():
+@pytest.mark.parametrize("hooks", ["out_graph", "legacy"])
+def test_cuda_graph_capture_and_replay_decode(hooks):
     """A real torch.cuda.graph over the drop-in's forward, replayed for a smaller batch."""
     layer = LayerSpec(num_heads=8, num_kv_heads=2, head_dim=128)
     fa3_or_skip(layer, 16, torch.bfloat16)
@@ -175,7 +177,7 @@ def test_cuda_graph_capture_and_replay_decode():
     ref_batch = batch.clone()
     ref = run(ref_batch, "reference")
     dropin = SGLangAttentionBackend(batch.model_runner, "fa3")
-    runner = MockCudaGraphRunner(dropin, batch.model_runner, [8])
+    runner = MockCudaGraphRunner(dropin, batch.model_runner, [8], hooks=hooks)
     static = runner.static_batch(8)
     q = torch.zeros(8, batch.q.shape[1], dtype=torch.bfloat16, device=DEV)
     k = torch.zeros(8, batch.k.shape[1], dtype=torch.bfloat16, device=DEV)

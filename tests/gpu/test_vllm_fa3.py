@@ -1,7 +1,7 @@
 """The vLLM drop-in backend on fa3 against the reference backend (H200 / sm90 only).
 
 The CPU suite (tests/adapters/test_vllm_*.py) checks the adapter against a float64 oracle; here
-the same cases (vLLM's own batch shapes × the three KV layouts, padding, windows, sinks, fp8,
+the same cases (vLLM's own batch shapes × vLLM's physical KV layouts, padding, windows, sinks, fp8,
 encoder-only) run on fa3 and on the reference backend from copies of the same step: outputs
 must agree within the dtype's tolerance and vLLM's cache tensors must hold the same bytes.
 """
@@ -15,15 +15,20 @@ import pytest
 import torch
 
 from attnsdk import KVCacheLayout, LayerSpec, UnsupportedConfigError, explain
-from attnsdk.adapters.vllm import AttnSDKAttentionBackend, VLLMKVLayout
-from attnsdk.adapters.vllm.testing import VLLM_BATCH_SPECS, VLLMMockBatch, mock_vllm_batch
+from attnsdk.adapters.vllm import AttnSDKAttentionBackend
+from attnsdk.adapters.vllm.testing import (
+    PHYSICAL_LAYOUTS,
+    VLLM_BATCH_SPECS,
+    VLLMMockBatch,
+    mock_vllm_batch,
+)
 from attnsdk.testing import BatchSpec, assert_close_to_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 DEV = "cuda"
 HQ, HKV, D = 8, 2, 128
-LAYOUTS = list(VLLMKVLayout)
+LAYOUTS = list(PHYSICAL_LAYOUTS)
 
 
 def fa3_or_skip(dtype: torch.dtype, kv_dtype: torch.dtype | None = None, **layer: Any) -> None:
@@ -52,7 +57,6 @@ def run(
         (AttnSDKAttentionBackend,),
         {
             "attnsdk_backend": backend,
-            "kv_cache_layout": batch.layout,
             "forward_includes_kv_cache_update": not split_update,
         },
     )
@@ -103,51 +107,49 @@ def compare(batch: VLLMMockBatch, *, kv_cache_dtype: str = "auto", **kwargs: Any
         assert torch.equal(cache, ref_cache), "fa3 and reference wrote different cache bytes"
 
 
-def batch_for(
-    spec: BatchSpec, layout: VLLMKVLayout, dtype: torch.dtype, **kw: Any
-) -> VLLMMockBatch:
+def batch_for(spec: BatchSpec, physical: str, dtype: torch.dtype, **kw: Any) -> VLLMMockBatch:
     return mock_vllm_batch(
         spec,
         num_heads=HQ,
         num_kv_heads=HKV,
         head_size=D,
-        layout=layout,
+        physical=physical,
         dtype=dtype,
         device=DEV,
         **kw,
     )
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", sorted(VLLM_BATCH_SPECS))
-def test_vllm_batch_shapes(name: str, layout: VLLMKVLayout) -> None:
+def test_vllm_batch_shapes(name: str, layout: str) -> None:
     causal = "encoder" not in name
     fa3_or_skip(torch.bfloat16, causal=causal)
     compare(batch_for(VLLM_BATCH_SPECS[name], layout, torch.bfloat16, causal=causal, seed=7))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_fp16_head_major_memory(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp16(layout: str) -> None:
     fa3_or_skip(torch.float16)
-    compare(batch_for(VLLM_BATCH_SPECS["mixed_medium"], layout, torch.float16, memory="HND"))
+    compare(batch_for(VLLM_BATCH_SPECS["mixed_medium"], layout, torch.float16))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_cuda_graph_padding(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_graph_padding(layout: str) -> None:
     fa3_or_skip(torch.bfloat16)
     spec = BatchSpec.mixed(batch_size=5, seed=2).with_padding(rows=2)
     compare(batch_for(spec, layout, torch.bfloat16, pad_requests=3, pad_tokens=5, seed=4))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_sliding_window_and_sinks(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sliding_window_and_sinks(layout: str) -> None:
     fa3_or_skip(torch.bfloat16, sliding_window=64, has_sinks=True)
     batch = batch_for(VLLM_BATCH_SPECS["mixed_medium"], layout, torch.bfloat16, sinks=True)
     compare(batch, window=64)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_softcap_matches_reference_or_is_refused(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_softcap_matches_reference_or_is_refused(layout: str) -> None:
     """Softcap is a build option of FA3: served exactly when fa3 declares it, else refused."""
     spec = LayerSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, softcap=30.0)
     reasons = explain("fa3", spec, KVCacheLayout(HKV, D, 16, torch.bfloat16), DEV)["fa3"]
@@ -161,8 +163,8 @@ def test_softcap_matches_reference_or_is_refused(layout: VLLMKVLayout) -> None:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_fp8_kv_cache(layout: VLLMKVLayout, kv_cache_dtype: str) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_kv_cache(layout: str, kv_cache_dtype: str) -> None:
     fa3_or_skip(torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
     batch = batch_for(
         VLLM_BATCH_SPECS["mixed_small"], layout, torch.bfloat16, kv_cache_dtype=kv_cache_dtype
@@ -174,15 +176,15 @@ def test_encoder_only_layer() -> None:
     """ENCODER_ONLY: no cache, bidirectional, page-size-1 view of this step's k/v."""
     fa3_or_skip(torch.bfloat16, causal=False, sliding_window=32)
     spec = VLLM_BATCH_SPECS["small_encoder_prefill"]
-    batch = batch_for(spec, VLLMKVLayout.KV_BLOCKS, torch.bfloat16, causal=False, pad_requests=1)
+    batch = batch_for(spec, "LBNHC", torch.bfloat16, causal=False, pad_requests=1)
     for window in (None, 32):
         out, _ = run(batch, "fa3", attn_type="encoder_only", window=window)
         ref, _ = run(batch, "reference", attn_type="encoder_only", window=window)
         assert_close_to_reference(out, ref)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_split_kv_update(layout: VLLMKVLayout) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_kv_update(layout: str) -> None:
     fa3_or_skip(torch.bfloat16)
     batch = batch_for(BatchSpec.chunked_prefill(seed=2), layout, torch.bfloat16, pad_tokens=3)
     compare(batch, split_update=True)
