@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP := $(VENV)/.attnsdk-installed
 
-.PHONY: setup demo test check lint typecheck format bench clean
+.PHONY: setup demo test test-engines check lint typecheck format bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,19 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
+# The engine tier: the adapters inside each supported engine release's own code, on the CPU.
+# Each release is built once into .engines/ (tests/engines/setup.sh) and reused.
+ENGINES ?= sglang:0.5.12.post1 sglang:0.5.23 vllm:0.33.0 vllm:0.34.0
+
+test-engines: setup
+	@set -e; for e in $(ENGINES); do \
+		engine=$${e%%:*}; version=$${e#*:}; dest=.engines/$$engine-$$version; \
+		PYTHON=$(PY) tests/engines/setup.sh $$engine $$version; \
+		echo "== $$engine $$version"; \
+		PYTHONPATH=$$dest:$$dest/site:tests/engines $(PY) -m pytest \
+			-c tests/engines/pytest.ini tests/engines/$${engine}_engine -q; \
+	done
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -41,4 +54,4 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .engines .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,386 @@
+"""Every fake and patch the engines' released Python code needs on a CPU-only host.
+
+The engine tier (``make test-engines``) runs attnsdk's adapters inside SGLang's and vLLM's own
+code: each engine's wheel installed ``--no-deps`` into ``.engines/<engine>-<version>/site`` with
+the pure-Python modules pinned in ``<engine>_engine/requirements-<version>.txt``, on torch 2.13 CPU.
+Only what cannot work without a GPU is replaced, here and nowhere else:
+
+* **Fake modules** (``SGLANG_FAKED``): an import hook answers for the listed compiled packages
+  (and their submodules) with an empty module whose every attribute is a *stub*. A stub can be
+  imported, read, subclassed and used in annotations, but **calling it raises**
+  :class:`FakeCalled`, so code that reaches a real kernel fails loudly, never silently. vLLM
+  needs none: it imports its own compiled modules under ``try/except``, and faking an optional
+  GPU package would make vLLM believe the kernels exist.
+* **Patches** (``VLLM_PATCHES``): vLLM's no-GPU platform class is subclassed (never modified)
+  so its Python paths can run on a CPU; an optional CPU cache op lets vLLM's own FlexAttention
+  backend serve as a control; model configs are served offline.
+
+SGLang needs no patch: its platform probes answer "no GPU" by themselves (leave
+``SGLANG_USE_CPU_ENGINE`` unset). Known CPU limits of the engines' own code, handled in tests:
+SGLang's ``MHATokenToKVPool.set_kv_buffer`` fails under autograd on CPU (run under
+``torch.no_grad()``); SGLang 0.5.12.post1's paged allocator ``alloc_extend`` / ``alloc_decode``
+launch Triton kernels (use ``alloc(n)``); importing either engine emits warnings, which
+tests/engines/pytest.ini does not turn into errors.
+
+This module imports neither engine nor torch at import time.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_HF_HOME",
+    "HF_CONFIGS",
+    "SGLANG_FAKED",
+    "VLLM_PATCHES",
+    "FakeCalled",
+    "install_sglang",
+    "install_vllm",
+    "is_fake",
+]
+
+#: SGLang's compiled packages answered by fakes, each with the reason the real one cannot be used.
+SGLANG_FAKED: dict[str, str] = {
+    "sgl_kernel": (
+        "SGLang's CUDA kernel package (PyPI: sglang-kernel): its wheels are CUDA builds whose "
+        "__init__ loads .so files that need libcuda, so it cannot import on a CPU host. "
+        "Needed (both versions) by the FA3 backend module "
+        "sglang.srt.layers.attention.flashattention_backend, which does "
+        "`from sgl_kernel import merge_state_v2` at module level. The other engine-tier "
+        "modules (pools, allocator, ForwardBatch, RadixAttention, registry, graph runners, "
+        "ServerArgs, spec inputs, torch_native, the test kit) import without it; "
+        "with the fake, sglang.srt.layers.quantization.utils.get_scalar_types() returns "
+        "stubs instead of SGLang's own ImportError mocks (harmless)."
+    ),
+    "torchvision": (
+        "Compiled against one exact torch build, and pip would pull a CUDA torch with it. "
+        "SGLang imports it unconditionally on `import sglang` paths: 0.5.12.post1 in "
+        "sglang/srt/utils/common.py (`from torchvision.io import decode_jpeg`), 0.5.23 via "
+        "sglang/srt/configs/__init__.py -> nano_nemotron_vl -> multimodal/internvl_utils.py "
+        "(`import torchvision.transforms`). Side effect: transformers' availability probe "
+        "(importlib.util.find_spec) then sees torchvision as installed and reads a few names "
+        "(InterpolationMode, ...) at import; nothing calls them."
+    ),
+}
+
+#: vLLM runtime patches applied by install_vllm() (name -> why).
+VLLM_PATCHES: dict[str, str] = {
+    "platform": (
+        "No GPU, so vLLM picks vllm.platforms.interface.UnspecifiedPlatform, whose "
+        "device_type is '' (the harness builds torch.device(f'{device_type}:0')), whose "
+        "manual_seed_all raises NotImplementedError (set_random_seed calls it), whose "
+        "is_pin_memory_available says True (torch CPU cannot pin: async_tensor_h2d then "
+        "fails), whose get_attn_backend_cls returns '' (so Attention(...) cannot select "
+        "any backend) and whose opaque_attention_op is False (CUDA and CPU platforms say True: "
+        "Attention.forward then goes through the torch.ops.vllm.unified_attention_with_output "
+        "custom op, as in production). install() sets vllm.platforms._current_platform to an "
+        "instance of a subclass fixing those five; is_cpu() stays False so no CPU-build kernels (vllm._C "
+        "CPU ops, absent from the CUDA wheel) are selected."
+    ),
+    "_C_cache_ops.reshape_and_cache_flash": (
+        "Compiled op (vllm._C, not importable here) that vLLM's FlexAttentionImpl."
+        "do_kv_cache_update calls. Registered with torch.library as a plain-PyTorch CPU "
+        "implementation (kv_cache_dtype 'auto' only) so vLLM's own FLEX_ATTENTION backend "
+        "can serve as a control in vLLM's harness. Skipped with install(cache_ops=False)."
+    ),
+    "hf_offline": (
+        "vLLM's harness builds ModelConfig('Qwen/Qwen3-0.6B'), which reads config.json from "
+        "the Hub; the Hub is unreachable here. install() writes that config.json into an "
+        "HF cache (HF_HOME) and sets HF_HUB_OFFLINE=1. Skipped with install(hf_home=None)."
+    ),
+}
+
+#: config.json of the models vLLM's attention harness names (as published on the Hub).
+HF_CONFIGS: dict[str, dict] = {
+    "Qwen/Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "initializer_range": 0.02,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "model_type": "qwen3",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}
+
+_REPO = Path(__file__).resolve().parents[2]
+DEFAULT_HF_HOME = _REPO / ".engines" / "hf"
+
+
+_ACTIVE: set[str] = set()
+"""Top-level package names the import hook currently answers for."""
+
+
+class FakeCalled(RuntimeError):
+    """A stub from ``tests/engines/fakes.py`` was called."""
+
+
+_STUBS: dict[str, type] = {}
+
+
+def _is_dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+class _StubMeta(type):
+    """Metaclass of stubs: attribute reads give more stubs; calling a stub raises."""
+
+    def __getattr__(cls, name: str) -> type:
+        if _is_dunder(name):
+            raise AttributeError(name)
+        return _stub(f"{cls.__module__}.{cls.__qualname__}.{name}")
+
+    def __call__(cls, *args: object, **kwargs: object) -> object:
+        if cls.__dict__.get("_fake_stub", False):
+            raise FakeCalled(
+                f"{cls.__module__}.{cls.__qualname__} is a CPU fake "
+                f"(tests/engines/fakes.py): the real compiled package is not "
+                f"installed here, so it cannot be called."
+            )
+        return super().__call__(*args, **kwargs)  # a real class that subclasses a stub
+
+    def __repr__(cls) -> str:
+        return f"<fake {cls.__module__}.{cls.__qualname__}>"
+
+
+def _stub(fullname: str) -> type:
+    stub = _STUBS.get(fullname)
+    if stub is None:
+        module, _, qual = fullname.rpartition(".")
+        stub = _StubMeta(qual, (), {"_fake_stub": True, "__module__": module, "__qualname__": qual})
+        _STUBS[fullname] = stub
+    return stub
+
+
+def _fake_module(name: str) -> types.ModuleType:
+    mod = types.ModuleType(name, f"CPU fake of {name} (tests/engines/fakes.py)")
+
+    def __getattr__(attr: str) -> type:  # PEP 562: any attribute resolves to a stub
+        if _is_dunder(attr):
+            raise AttributeError(f"fake module {name!r} has no attribute {attr!r}")
+        return _stub(f"{name}.{attr}")
+
+    mod.__getattr__ = __getattr__  # type: ignore[method-assign]
+    mod.__path__ = []  # a package, so that any submodule import reaches the finder
+    mod.__version__ = "0.0.0+fake"
+    mod.__fake__ = True  # type: ignore[attr-defined]
+    return mod
+
+
+def _importer() -> str:
+    """file:line of the first frame outside importlib and this file (for diagnostics)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        fn = frame.f_code.co_filename
+        if not fn.startswith("<frozen") and fn != __file__:
+            return f"{fn}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
+
+
+#: fake module name -> where it was first imported from (file:line), for diagnostics.
+IMPORTED_FROM: dict[str, str] = {}
+
+
+class _FakeFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
+        if fullname.partition(".")[0] not in _ACTIVE:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def]
+        IMPORTED_FROM.setdefault(spec.name, _importer())
+        return _fake_module(spec.name)
+
+    def exec_module(self, module):  # type: ignore[no-untyped-def]
+        pass
+
+
+_FINDER = _FakeFinder()
+
+
+def is_fake(obj: object) -> bool:
+    """True for a fake module or a stub."""
+    return bool(getattr(obj, "__fake__", False) or getattr(obj, "_fake_stub", False))
+
+
+def install_sglang() -> None:
+    """Register SGLang's fakes (idempotent). Must run before ``import sglang``."""
+    if "sglang" in sys.modules and not _ACTIVE:
+        raise RuntimeError("fakes.install_sglang() must run before sglang is imported")
+    _ACTIVE.update(SGLANG_FAKED)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def _write_hf_configs(hf_home: Path) -> None:
+    """A minimal HF cache (refs/main -> one snapshot holding config.json) for HF_CONFIGS."""
+    revision = "0" * 40
+    for repo_id, config in HF_CONFIGS.items():
+        repo_dir = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+        snapshot = repo_dir / "snapshots" / revision
+        target = snapshot / "config.json"
+        if target.is_file():
+            continue
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (repo_dir / "refs").mkdir(exist_ok=True)
+        (repo_dir / "refs" / "main").write_text(revision)
+        target.write_text(json.dumps(config, indent=2))
+
+
+def _make_platform_cls(base: type) -> type:
+    class CpuTestPlatform(base):  # type: ignore[misc,valid-type,unused-ignore]
+        """UnspecifiedPlatform that can run vLLM's CPU-capable Python paths (see PATCHES)."""
+
+        device_name = "cpu"
+        device_type = "cpu"
+
+        @classmethod
+        def manual_seed_all(cls, seed: int) -> None:
+            pass  # torch.manual_seed (called just before by set_random_seed) seeds the CPU
+
+        @classmethod
+        def is_pin_memory_available(cls) -> bool:
+            return False
+
+        @classmethod
+        def opaque_attention_op(cls) -> bool:
+            return True  # as CudaPlatform / CpuPlatform: Attention.forward -> torch.ops.vllm.*
+
+        @classmethod
+        def get_attn_backend_cls(
+            cls, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
+        ) -> str:
+            # What CudaPlatform does for an explicitly selected backend (there is no
+            # automatic choice on this platform): validate it, then use it.
+            if selected_backend is None:
+                raise ValueError(
+                    "tests/engines/fakes.py platform: select a backend explicitly "
+                    "(AttentionConfig(backend=...)); there is no automatic choice on CPU."
+                )
+            backend_cls = selected_backend.get_class()
+            validate = getattr(backend_cls, "validate_configuration", None)
+            if validate is not None:
+                reasons = validate(
+                    device_capability=cls.get_device_capability(),
+                    **attn_selector_config._asdict(),
+                )
+                if reasons:
+                    raise ValueError(f"Selected backend {selected_backend} is not valid: {reasons}")
+            return selected_backend.get_path()
+
+    return CpuTestPlatform
+
+
+def _register_cache_ops() -> None:
+    import torch
+
+    if hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash"):
+        return  # real op (or ours) already registered
+    lib = torch.library.Library("_C_cache_ops", "DEF")
+    lib.define(
+        "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, "
+        "Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, "
+        "Tensor k_scale, Tensor v_scale) -> ()"
+    )
+
+    def reshape_and_cache_flash(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+    ) -> None:
+        # key/value: [T, H, D]; key_cache/value_cache: [num_blocks, block_size, H, D] views.
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(
+                f"CPU reshape_and_cache_flash (tests/engines/fakes.py) handles "
+                f"kv_cache_dtype='auto' only, not {kv_cache_dtype!r}"
+            )
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        valid = slots >= 0  # -1 marks padding tokens
+        block_size = key_cache.shape[1]
+        blocks, offsets = slots[valid] // block_size, slots[valid] % block_size
+        key_cache[blocks, offsets] = key[:n][valid].to(key_cache.dtype)
+        value_cache[blocks, offsets] = value[:n][valid].to(value_cache.dtype)
+
+    lib.impl("reshape_and_cache_flash", reshape_and_cache_flash, "CompositeExplicitAutograd")
+    _KEEP.append(lib)  # a Library deregisters its ops when garbage-collected
+
+
+_KEEP: list[object] = []
+_PLATFORM: list[object] = []
+
+
+def install_vllm(
+    *, cache_ops: bool = True, hf_home: str | os.PathLike[str] | None = DEFAULT_HF_HOME
+) -> None:
+    """Register the fakes and apply the patches (idempotent).
+
+    Must run before anything reads ``vllm.platforms.current_platform``.  ``hf_home=None``
+    leaves HF_HOME / HF_HUB_OFFLINE alone; ``cache_ops=False`` skips the CPU cache op.
+    """
+
+    if hf_home is not None:
+        hf_home = Path(hf_home)
+        if "huggingface_hub" in sys.modules and os.environ.get("HF_HOME") != str(hf_home):
+            raise RuntimeError(
+                "tests/engines/fakes.install_vllm(): huggingface_hub was imported before "
+                "install() and read HF_HOME already; call install() first."
+            )
+        _write_hf_configs(hf_home)
+        os.environ["HF_HOME"] = str(hf_home)
+        os.environ["HF_HUB_OFFLINE"] = "1"
+
+    import vllm.platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    current = vllm.platforms._current_platform
+    if not _PLATFORM:
+        if current is not None and not isinstance(current, UnspecifiedPlatform):
+            raise RuntimeError(
+                f"vLLM already resolved its platform to {type(current).__name__}; "
+                "tests/engines/fakes.install_vllm() expects a host without a GPU."
+            )
+        _PLATFORM.append(_make_platform_cls(UnspecifiedPlatform)())
+    if current is not _PLATFORM[0]:
+        if current is not None:
+            raise RuntimeError(
+                "vllm.platforms.current_platform was read before "
+                "tests/engines/fakes.install_vllm(); call install() first."
+            )
+        vllm.platforms._current_platform = _PLATFORM[0]
+
+    if cache_ops:
+        _register_cache_ops()

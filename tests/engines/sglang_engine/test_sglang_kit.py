@@ -1,0 +1,140 @@
+"""SGLang 0.5.23's own attention test kit (``sglang.test.kits.attention_unittest``) on the drop-in.
+
+The drop-in is registered as ``"attnsdk"`` (real_sglang.py); the kit builds it through
+``ATTENTION_BACKENDS[case.backend](runner)`` with its ``MockModelRunner`` (a real ``ModelRunner``
+subclass) and compares with its own reference: every dense case (``make_dense_cases`` and the
+sliding-window cases) in fp16 and bf16, its CUDA-graph decode flow (capture, warm-up,
+``on_after_cuda_graph_warmup``, a padded replay, against reference and eager), and its
+speculative verify flows: EAGLE chains, DFlash and frozen-KV MTP are served; EAGLE trees
+(topk 2) and NGRAM are refused with ``UnsupportedConfigError``. A case the kit would skip fails
+here. 0.5.12.post1 ships no kit: there each test asserts its absence.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import unittest
+
+import pytest
+import torch
+from real_sglang import DROPIN, NEW_HOOKS
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from attnsdk import UnsupportedConfigError
+from attnsdk.adapters.sglang import SGLangAttentionBackend
+
+KIT = "sglang.test.kits.attention_unittest"
+
+
+class StrictCase(unittest.TestCase):
+    """The kit skips a case whose backend fails to build: here that is a failure."""
+
+    __test__ = False  # a helper the kit calls, not a test of its own
+
+    def runTest(self) -> None:
+        pass
+
+    def skipTest(self, reason: str) -> None:
+        raise AssertionError(f"the kit skipped the case: {reason}")
+
+
+def kit_cases() -> list:
+    if not NEW_HOOKS:
+        return [None]  # 0.5.12.post1 ships no kit; the test asserts that
+    from sglang.test.kits.attention_unittest.attention_methods import dense_attention as da
+
+    return [
+        *da.make_dense_cases(DROPIN),
+        *da.make_swa_no_prefix_input_config_cases(DROPIN),
+        *da.make_swa_prefix_input_config_cases(DROPIN),
+    ]
+
+
+CASES = kit_cases()
+IDS = [c.name if c else "no-kit-in-0.5.12" for c in CASES]
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Every backend the kit builds from SGLang's registry (``ATTENTION_BACKENDS[name]``)."""
+    made, factory = [], ATTENTION_BACKENDS[DROPIN]
+
+    def build(runner):
+        made.append(factory(runner))
+        return made[-1]
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, DROPIN, build)
+    return made
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_kit_dense_case(case, dtype, built):
+    if case is None:
+        assert importlib.util.find_spec(KIT) is None, "0.5.12.post1 has no attention kit"
+        return
+    from sglang.test.kits.attention_unittest.attention_methods import dense_attention as da
+
+    da.run_dense_attention_case(StrictCase(), case, device="cpu", dtype=dtype)
+    assert [type(b) for b in built] == [SGLangAttentionBackend]
+
+
+DECODE_CASES = [c for c in CASES if c is None or c.forward_mode.is_decode()]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[IDS[CASES.index(c)] for c in DECODE_CASES])
+def test_kit_cuda_graph_decode(case, built):
+    if case is None:
+        assert importlib.util.find_spec(KIT) is None, "0.5.12.post1 has no attention kit"
+        return
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
+
+    assert case.batch_size < cg.DENSE_CUDA_GRAPH_CAPTURE_BATCH_SIZE, "the replay must be padded"
+    cg.run_dense_cuda_graph_decode_case(StrictCase(), case, device="cpu", dtype=torch.bfloat16)
+    assert [type(b) for b in built] == [SGLangAttentionBackend] * 2  # eager, then graph
+
+
+VERIFY = [
+    ("eagle", 1, True),
+    ("dflash", 1, True),
+    ("frozen_kv_mtp", 1, True),
+    ("eagle", 2, False),
+    ("ngram", 1, False),
+]  # (kind, topk, served)
+
+
+@pytest.mark.parametrize(
+    ("kind", "topk", "served"),
+    VERIFY if NEW_HOOKS else [(None, 0, False)],
+    ids=[f"{k}-topk{t}" for k, t, _ in VERIFY] if NEW_HOOKS else ["no-kit-in-0.5.12"],
+)
+def test_kit_spec_verify(kind, topk, served, built):
+    if kind is None:
+        assert importlib.util.find_spec(KIT) is None, "0.5.12.post1 has no attention kit"
+        return
+    from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
+        DenseAttentionCase,
+    )
+    from sglang.test.kits.attention_unittest.runner_modes import (
+        speculative_target_verify_runner as sv,
+    )
+
+    case = DenseAttentionCase(
+        name=f"verify_{kind}_{topk}",
+        backend=DROPIN,
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        num_heads=4,
+        num_kv_heads=2,
+        page_size=16,
+        prefix_lens=(7, 20),
+        extend_lens=(3, 3),
+    )
+    kwargs = dict(topk=topk, spec_kind=kind, device="cpu", dtype=torch.bfloat16)
+    if served:
+        sv.run_dense_spec_verify_case(StrictCase(), case, **kwargs)
+    else:
+        with pytest.raises(UnsupportedConfigError, match=r"tree"):
+            sv.run_dense_spec_verify_case(StrictCase(), case, **kwargs)
+    assert built
+    assert all(type(b) is SGLangAttentionBackend for b in built)

@@ -1,0 +1,47 @@
+"""The drop-in vLLM backend on attnsdk's ``reference`` backend, registrable by class path.
+
+vLLM registers and resolves attention backends by dotted class path
+(``register_backend(AttentionBackendEnum.CUSTOM, "module.Class")``). tests/engines is on
+PYTHONPATH, so this module is ``vllm_engine.attnsdk_ref`` both to the tests and to vLLM's
+resolver, which therefore hand out the same class objects.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from attnsdk import AttentionConfig
+from attnsdk.adapters.vllm import AttnSDKAttentionBackend
+
+REF = "vllm_engine.attnsdk_ref.Ref"
+REF_DEBUG = "vllm_engine.attnsdk_ref.RefDebug"
+MISSCALED = "vllm_engine.attnsdk_ref.Misscaled"
+
+
+class Ref(AttnSDKAttentionBackend):  # type: ignore[misc,valid-type]
+    """attnsdk's reference backend behind vLLM's ``AttentionBackend`` API."""
+
+    attnsdk_backend = "reference"
+
+
+class RefDebug(AttnSDKAttentionBackend):  # type: ignore[misc,valid-type]
+    """The same in attnsdk's debug mode: every plan and forward validated against the cache."""
+
+    attnsdk_backend = AttentionConfig(backend="reference", debug=True)
+
+
+class Misscaled(Ref):
+    """A deliberately broken backend (softmax scale doubled): vLLM's harness must reject it."""
+
+    @classmethod
+    def get_impl_cls(cls) -> type:
+        return _misscaled(super().get_impl_cls())
+
+
+@functools.cache
+def _misscaled(base: type) -> type:
+    def __init__(self: Any, num_heads: int, head_size: int, scale: float, *a: Any, **k: Any):
+        base.__init__(self, num_heads, head_size, 2 * scale, *a, **k)
+
+    return type("MisscaledImpl", (base,), {"__init__": __init__})
