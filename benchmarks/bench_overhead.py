@@ -20,6 +20,7 @@ from _common import DTYPE, HKV, HQ, PAGE, D, graph_us, host_us, parse_out, table
 
 import attnsdk as A
 from attnsdk._backend import check_forward_args
+from attnsdk._validate import check_metadata
 from attnsdk.backends._triton_store import store_kv
 from attnsdk.backends.fa3 import FA3Options
 
@@ -39,6 +40,7 @@ def main() -> None:
     k = torch.randn(1, HKV, D, device="cuda", dtype=DTYPE)
     v = torch.randn(1, HKV, D, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
+    bad_slot = torch.full((1,), -1, dtype=torch.int64, device="cuda")  # the store's guard flag
     pre = A.create_backend(A.AttentionConfig(backend="fa3", options=FA3Options()))
     nopre = A.create_backend(
         A.AttentionConfig(backend="fa3", options=FA3Options(precompute_scheduler=False))
@@ -81,10 +83,14 @@ def main() -> None:
         {
             "what": "Triton KV store (cached launch)",
             "us": host_us(
-                lambda: store_kv(k, v, cache.k, cache.v, meta.slot_mapping, 1, None, None, 0.0), n
+                lambda: store_kv(
+                    k, v, cache.k, cache.v, meta.slot_mapping, 1, None, None, 0.0, bad_slot
+                ),
+                n,
             ),
         },
         {"what": "plan()", "us": host_us(lambda: pre.plan(meta), n)},
+        {"what": "check_metadata (plan's host checks)", "us": host_us(lambda: check_metadata(meta), n)},
         {"what": "sdk forward, KV write, precompute on", "us": host_us(lambda: layers(pre, True), 100) / 32},
         {"what": "sdk forward, KV write, precompute off", "us": host_us(lambda: layers(nopre, True), 100) / 32},
         {"what": "sdk forward, no KV write, precompute on", "us": host_us(lambda: layers(pre, False), 100) / 32},

@@ -110,26 +110,33 @@ class SlotGuard:
     """Where the KV store reports slots past the cache, read back without a device sync.
 
     ``flag`` is an int64 (1,) device tensor holding the largest rejected slot (-1: none).
-    ``poll()`` (once per step, from ``plan``) raises for a flag read back by an earlier poll,
-    then starts a non-blocking copy to pinned host memory and records an event; a later poll
-    reads it only once that event has completed. So a bad slot is reported one or two steps
-    after the step that carried it, and never written. ``check_now()`` syncs and reports at once
-    (debug mode).
+    ``poll()`` runs from every ``plan``; one call in ``POLL_EVERY`` starts a non-blocking copy of
+    the flag to pinned host memory and records an event (~15 us of host time, which amortised
+    costs ~1 us a step), and a later poll reads the copy once that event has completed and
+    raises. So a bad slot is never written and is reported within about ``2 * POLL_EVERY`` steps
+    of the step that carried it. ``check_now()`` syncs and reports at once (debug mode).
     """
+
+    POLL_EVERY = 16
 
     def __init__(self, device: torch.device) -> None:
         self.flag = torch.full((1,), -1, dtype=torch.int64, device=device)
         self._host = torch.full((1,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._pending = False
+        self._calls = 0
 
     def poll(self) -> None:
-        if self._event is None or torch.cuda.is_current_stream_capturing():
+        if self._event is None:
             return
-        if self._pending and self._event.query():
+        self._calls += 1
+        if self._pending:
+            if not self._event.query():
+                return
             self._pending = False
-            self._raise_if_bad(int(self._host[0]), "reported at the next steps' plan")
-        if not self._pending:
+            self._raise_if_bad(int(self._host[0]), "reported by a later step's plan")
+        if self._calls >= self.POLL_EVERY and not torch.cuda.is_current_stream_capturing():
+            self._calls = 0
             self._host.copy_(self.flag, non_blocking=True)
             self._event.record()
             self._pending = True
