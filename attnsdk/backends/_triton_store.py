@@ -127,7 +127,8 @@ class SlotGuard:
         self._calls = 0
 
     def poll(self) -> None:
-        if self._event is None:
+        # Inside CUDA-graph capture nothing may query or record events: nothing to do there.
+        if self._event is None or torch.cuda.is_current_stream_capturing():
             return
         self._calls += 1
         if self._pending:
@@ -135,7 +136,7 @@ class SlotGuard:
                 return
             self._pending = False
             self._raise_if_bad(int(self._host[0]), "reported by a later step's plan")
-        if self._calls >= self.POLL_EVERY and not torch.cuda.is_current_stream_capturing():
+        if self._calls >= self.POLL_EVERY:
             self._calls = 0
             self._host.copy_(self.flag, non_blocking=True)
             self._event.record()
