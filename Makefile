@@ -5,8 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP := $(VENV)/.attnsdk-installed
+DOCS_STAMP := $(VENV)/.attnsdk-docs-installed
 
-.PHONY: setup demo test test-engines check lint typecheck format bench clean
+.PHONY: setup demo test test-engines check lint typecheck format docs bench clean
 
 setup: $(STAMP)
 
@@ -49,9 +50,21 @@ typecheck: setup
 
 check: lint typecheck test
 
+# The API reference (from the docstrings) and docs/*.md as HTML in docs/_build/html. Every
+# warning and every unresolved cross-reference fails the build. Not part of check: it adds
+# Sphinx to the venv (the docs extra).
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	rm -rf docs/_build
+	$(VENV)/bin/sphinx-build -W --keep-going -n -q -b html docs docs/_build/html
+	@echo "docs/_build/html/index.html"
+
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .engines .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .engines .mypy_cache .ruff_cache .pytest_cache .hypothesis docs/_build

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run every GPU benchmark and render the plots: benchmarks/run_gpu.sh [OUT_DIR]
-# Needs an sm90 GPU with flash_attn_interface (pip install "attnsdk[fa3]").
+# Needs an sm90 GPU with flash_attn_interface (pip install tokenspeed-fa3).
 set -euo pipefail
 out="${1:-benchmarks/results}"
 here="$(cd "$(dirname "$0")" && pwd)"

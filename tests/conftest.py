@@ -1,20 +1,43 @@
-"""Hardware markers: ``gpu`` needs CUDA, ``sm90`` needs Hopper; both skip with the reason."""
+"""Hardware markers, skipped with what is missing: ``gpu`` needs a CUDA GPU, ``sm90`` a Hopper
+GPU, ``fa3`` the FlashAttention-3 kernels the fa3 backend calls.
+
+The CPU suite runs torch on one thread: its tensors are tiny, and on a loaded two-core machine
+OpenMP's spinning worker threads made it many times slower (test_random_batches: 143 s).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
+from attnsdk.backends._fa3_kernels import INSTALL_COMMAND, PROVIDERS, find_provider
+
+torch.set_num_threads(1)
+
+
+@functools.cache
+def _hardware() -> tuple[tuple[int, int] | None, str | None]:
+    """(compute capability of GPU 0 or None, the FA3 provider found or None)."""
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return capability, find_provider()
+
 
 def _skip_reason(item: pytest.Item) -> str | None:
-    wants_gpu = item.get_closest_marker("gpu") or item.get_closest_marker("sm90")
-    if not wants_gpu:
+    markers = {m for m in ("gpu", "sm90", "fa3") if item.get_closest_marker(m)}
+    if not markers:
         return None
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (none visible); run tests/gpu on the H200"
-    if item.get_closest_marker("sm90") and torch.cuda.get_device_capability()[0] != 9:
-        major, minor = torch.cuda.get_device_capability()
-        return f"needs compute capability 9.x (Hopper), found {major}.{minor}"
+    capability, provider = _hardware()
+    needs = "an sm90 GPU (Hopper)" if markers & {"sm90", "fa3"} else "a CUDA GPU"
+    if "fa3" in markers:
+        needs += f" with FlashAttention-3 kernels (flash_attn_interface: {INSTALL_COMMAND})"
+    if capability is None:
+        return f"needs {needs}; no CUDA GPU is visible"
+    if markers & {"sm90", "fa3"} and capability[0] != 9:
+        return f"needs {needs}; found sm {capability[0]}{capability[1]}"
+    if "fa3" in markers and provider is None:
+        return f"needs {needs}; found none of {', '.join(PROVIDERS.values())}"
     return None
 
 

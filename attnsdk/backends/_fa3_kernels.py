@@ -43,7 +43,10 @@ __all__ = [
 
 Provider = Literal["flash_attn_interface", "sgl_kernel", "vllm"]
 
-INSTALL_COMMAND = 'pip install "attnsdk[fa3]"'
+INSTALL_COMMAND = "pip install tokenspeed-fa3"
+"""What error messages name: the official FA3 build (``flash_attn_interface``), as the ``fa3``
+extra installs it. attnsdk is not on the package index, so ``attnsdk[fa3]`` works only as
+``pip install -e "/path/to/attnsdk[fa3]"`` from a checkout."""
 
 PROVIDERS: dict[Provider, str] = {
     "flash_attn_interface": "flash_attn_interface",

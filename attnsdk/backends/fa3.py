@@ -72,7 +72,7 @@ class FA3Options(BaseModel):
     instead of inside every layer's call. None (default): on whenever the provider exposes FA3's
     scheduler op (flash_attn_interface does), else off; True insists (an error without the op);
     False turns it off. Measured on an H200 (docs/benchmarks.md) it saves
-    ~5 µs of host time per eager layer and ~15% of GPU time per layer at batch 1 under graph
+    ~10 µs of host time per eager layer and ~16% of GPU time per layer at batch 1 under graph
     replay, and is neutral at batch 64-256; the per-step cost is one small launch."""
 
 

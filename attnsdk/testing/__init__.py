@@ -1,6 +1,7 @@
 """Test kit for integrators: random paged batches and reference comparisons.
 
-Hypothesis strategies live in ``attnsdk.testing.strategies`` (needs ``hypothesis``).
+Hypothesis strategies live in ``attnsdk.testing.strategies`` (needs ``hypothesis``: the ``testing``
+extra).
 """
 
 from attnsdk.testing._batch import Batch, PageOrder, assign_pages, make_batch

@@ -1,14 +1,22 @@
-"""Hypothesis strategies for random batches (``pip install hypothesis``)."""
+"""Hypothesis strategies for random batches; needs hypothesis (attnsdk's ``testing`` extra)."""
 
 from __future__ import annotations
 
-from hypothesis import strategies as st
+try:
+    from hypothesis import strategies as st
+except ImportError as exc:
+    raise ModuleNotFoundError(
+        "attnsdk.testing.strategies needs hypothesis, which attnsdk's 'testing' extra brings: "
+        'pip install hypothesis (or, from a checkout, pip install -e "/path/to/attnsdk[testing]")',
+        name="hypothesis",
+    ) from exc
 
 from attnsdk.testing._spec import BatchSpec
 
 __all__ = ["batch_specs", "page_orders"]
 
 page_orders = st.sampled_from(["shuffled", "contiguous", "interleaved"])
+"""Every ``PageOrder`` that ``make_batch`` takes."""
 
 
 @st.composite

@@ -54,7 +54,7 @@ def test_environment_reasons_without_gpu_or_library(
     assert all(r.kind is A.ReasonKind.ENVIRONMENT for r in reasons)
     by_field = {r.field: r.message for r in reasons}
     assert "needs a CUDA GPU" in by_field["device"]
-    assert 'pip install "attnsdk[fa3]"' in by_field["install"]
+    assert "pip install tokenspeed-fa3" in by_field["install"]
     cpu = FA3Backend.environment_reasons("cpu")
     assert any("must be one of ['cuda'], found 'cpu'" in r.message for r in cpu)
 
@@ -90,7 +90,7 @@ def test_missing_library_names_the_install_command(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(_fa3_kernels, "module_present", lambda name: False)
     with pytest.raises(A.BackendUnavailableError) as info:
         FA3Backend(FA3Options(provider="vllm"))
-    assert info.value.install_command == 'pip install "attnsdk[fa3]"'
+    assert info.value.install_command == "pip install tokenspeed-fa3"
     assert "vllm.vllm_flash_attn" in str(info.value)
     assert isinstance(info.value, ImportError)
 

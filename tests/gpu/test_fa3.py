@@ -17,7 +17,7 @@ from attnsdk.backends._fa3_kernels import build_flags
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import Batch, BatchSpec, assert_close_to_reference, make_batch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.fa3]
 
 FP8 = torch.float8_e4m3fn
 DEV = "cuda"

@@ -25,7 +25,7 @@ from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
 if TYPE_CHECKING:
     from attnsdk.testing import Batch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.fa3]
 
 DEV = "cuda"
 FP8 = torch.float8_e4m3fn

@@ -11,7 +11,7 @@ import attnsdk as A
 from attnsdk.backends.fa3 import FA3Options
 from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.fa3]
 
 DEV = "cuda"
 LAYER = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=128)

@@ -20,7 +20,7 @@ from attnsdk.adapters.sglang.testing import (
 )
 from attnsdk.testing import BatchSpec, assert_close_to_reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.fa3]
 
 M = ForwardMode
 DEV = "cuda"

@@ -24,7 +24,7 @@ from attnsdk.adapters.vllm.testing import (
 )
 from attnsdk.testing import BatchSpec, assert_close_to_reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.fa3]
 
 DEV = "cuda"
 HQ, HKV, D = 8, 2, 128
