@@ -32,6 +32,7 @@ from attnsdk import (
     UnsupportedConfigError,
     create_backend,
 )
+from attnsdk._config_files import find_pyproject
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
@@ -54,8 +55,8 @@ __all__ = [
 logger = logging.getLogger("attnsdk")
 
 BackendSpec: TypeAlias = "str | AttentionConfig | Backend | None"
-"""A backend name, an ``AttentionConfig``, a ready instance, or None (``ATTNSDK_CONFIG`` /
-``ATTNSDK_BACKEND`` from the environment, else ``"auto"``)."""
+"""A backend name, an ``AttentionConfig``, a ready instance, or None (``AttentionConfig.from_env``:
+``ATTNSDK_CONFIG``, ``ATTNSDK_BACKEND``, ``[tool.attnsdk]`` in pyproject.toml, else ``"auto"``)."""
 
 _LOCK = threading.Lock()
 _BACKENDS: dict[object, Backend] = {}
@@ -65,7 +66,8 @@ def backend_key(spec: BackendSpec) -> object:
     """What identifies the backend ``spec`` resolves to (the environment, for None)."""
     if spec is None:
         # The environment decides, so it is part of the identity of the backend it gave.
-        return ("env", os.environ.get("ATTNSDK_CONFIG"), os.environ.get("ATTNSDK_BACKEND"))
+        env = (os.environ.get("ATTNSDK_CONFIG"), os.environ.get("ATTNSDK_BACKEND"))
+        return ("env", *env, find_pyproject())
     if isinstance(spec, str):
         return ("name", spec)
     if isinstance(spec, AttentionConfig):

@@ -1,83 +1,139 @@
-"""What ``python -m attnsdk info`` and ``demo`` print."""
+"""The ``attnsdk`` command (also ``python -m attnsdk``): ``info``, ``explain``, ``demo``.
+
+Help strings are written for a terminal (argparse prints them as they are); docs/cli.md is the
+manual. Exit codes: 0 success, 1 the answer is "no" (nothing can run, or the backend cannot serve
+the shape), 2 a usage or configuration error (a message on stderr, never a traceback).
+"""
 
 from __future__ import annotations
 
-import logging
-import platform
-import time
-from typing import TYPE_CHECKING
+import argparse
+import os
+import sys
 
-import torch
+from attnsdk._errors import AttnSDKError
 
-from attnsdk._config import AttentionConfig
-from attnsdk._device import compute_capability, cuda_available, device_name
-from attnsdk._kv import KVCacheLayout
-from attnsdk._layer import LayerSpec
-from attnsdk._registry import create_backend, explain
+__all__ = ["build_parser", "main"]
 
-if TYPE_CHECKING:
-    from attnsdk.adapters._common import EngineVersions
+_EPILOG = """\
+configuration (first one set wins):
+  ATTNSDK_CONFIG     a config file (.json, .toml, .yaml)
+  ATTNSDK_BACKEND    a backend name (any case), with default options
+  [tool.attnsdk]     in the nearest pyproject.toml
+  otherwise "auto": the highest-priority backend that can run here
+
+exit status: 0 ok, 1 the answer is no, 2 usage or configuration error
+manual: docs/cli.md"""
 
 
-def info() -> int:
-    cc = compute_capability()
-    print(f"attnsdk  python {platform.python_version()}  torch {torch.__version__}")
-    print(
-        f"device   {device_name()}"
-        + (f" (compute capability {cc[0]}.{cc[1]})" if cc else " (no CUDA GPU)")
+def build_parser(prog: str = "attnsdk") -> argparse.ArgumentParser:
+    from attnsdk import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="attnsdk: one paged-attention contract, many kernel backends.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    device = "cuda" if cuda_available() else "cpu"
-    print(f"backends on {device} (highest priority first):")
-    for name, reasons in explain("auto", device=device).items():
-        print(f"  {name:<12} {'available' if not reasons else 'unavailable'}")
-        for r in reasons:
-            print(f"      - {r}")
-    print("engine adapters (tested releases; make test-engines):")
-    for versions in _engine_versions():
-        found = versions.installed()
-        print(f"  {versions.package:<12} {versions.span}, installed: {found or 'no'}")
-    return 0
+    parser.add_argument("--version", action="version", version=f"attnsdk {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
 
-
-def _engine_versions() -> list[EngineVersions]:
-    from attnsdk.adapters.sglang import SGLANG_VERSIONS
-    from attnsdk.adapters.vllm import VLLM_VERSIONS
-
-    return [SGLANG_VERSIONS, VLLM_VERSIONS]
-
-
-def demo(backend_name: str | None, seed: int) -> int:
-    from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    device = "cuda" if cuda_available() else "cpu"
-    backend = create_backend(backend_name or AttentionConfig.from_env(), device=device)
-    reference = create_backend("reference")
-    layer = LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
-    layout = KVCacheLayout(num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
-    spec = BatchSpec.mixed(batch_size=8, max_len=300, seed=seed)
-    batch = make_batch(spec, layer, layout, seed=seed, device=device)
-    start = time.perf_counter()
-    out, cache = batch.run(backend)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    ref, ref_cache = batch.run(reference)
-    print(f"backend   {backend.name} on {device}")
-    print(
-        f"batch     {spec.num_seqs} sequences, {spec.num_tokens} new tokens "
-        f"(query_lens {list(spec.query_lens)}, seq_lens {list(spec.seq_lens)})"
+    info = sub.add_parser(
+        "info",
+        help="versions, device, every backend's availability, the config in effect",
+        description="Print attnsdk's version, Python and torch, the device, whether each "
+        "backend can run here and why not, the FA3 kernel package the fa3 backend would load, "
+        "the engine releases the adapters are tested on, and the config in effect. Exit status "
+        "1 when that config selects no backend that can run here.",
     )
-    print(
-        f"layer     Hq={layer.num_heads} Hkv={layer.num_kv_heads} D={layer.head_dim}, "
-        f"page_size {layout.page_size}, {layout.dtype}"
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+
+    explain = sub.add_parser(
+        "explain",
+        help="can the configured backend serve a model's attention shape, and if not, why",
+        description="Check a model's attention shape against every candidate backend of a "
+        "config and print each reason a backend cannot serve it. Exit status 0 when the backend "
+        "the config selects can serve it, 1 when not, 2 for a usage error.",
     )
-    print(f"forward   {elapsed * 1e3:.1f} ms (first call, KV write included)")
-    assert_close_to_reference(out, ref)
-    same_cache = torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
-    err = (out.float() - ref.float()).abs().max().item()
-    print(
-        f"check     max |out - reference| = {err:.2e}; KV cache {'identical' if same_cache else 'DIFFERS'}"
+    which = explain.add_mutually_exclusive_group()
+    which.add_argument("--backend", metavar="NAME", help="a backend name or auto")
+    which.add_argument("--config", metavar="FILE", help="a config file (.json, .toml, .yaml)")
+    explain.add_argument(
+        "--device", help="device to check, e.g. cpu, cuda, cuda:1 (default: cuda if visible)"
     )
-    print("demo OK" if same_cache else "demo FAILED")
-    return 0 if same_cache else 1
+    explain.add_argument("--json", action="store_true", help="print one JSON object")
+    shape = explain.add_argument_group(
+        "model shape",
+        "From flags, or from a --layer file holding LayerSpec and KVCacheLayout fields by name "
+        "(flags override the file). --heads and --head-dim are required.",
+    )
+    shape.add_argument("--layer", metavar="FILE", help="a .json, .toml or .yaml shape file")
+    shape.add_argument("--heads", dest="num_heads", type=int, metavar="N", help="query heads")
+    shape.add_argument(
+        "--kv-heads", dest="num_kv_heads", type=int, metavar="N", help="KV heads (default: heads)"
+    )
+    shape.add_argument("--head-dim", dest="head_dim", type=int, metavar="D", help="QK head dim")
+    shape.add_argument(
+        "--v-head-dim", dest="v_head_dim", type=int, metavar="D", help="V head dim (default: D)"
+    )
+    shape.add_argument(
+        "--window", dest="sliding_window", type=int, metavar="W", help="sliding window W tokens"
+    )
+    shape.add_argument("--softcap", type=float, metavar="C", help="logit softcap C")
+    shape.add_argument(
+        "--sinks", dest="has_sinks", action="store_const", const=True, help="attention sinks"
+    )
+    shape.add_argument(
+        "--non-causal", dest="causal", action="store_const", const=False, help="no causal mask"
+    )
+    shape.add_argument(
+        "--page-size", dest="page_size", type=int, metavar="P", help="tokens per page (16)"
+    )
+    shape.add_argument("--dtype", type=_dtype, help="compute dtype (bfloat16)")
+    shape.add_argument(
+        "--kv-dtype", dest="kv_dtype", type=_dtype, metavar="DTYPE", help="cache dtype, e.g. fp8"
+    )
+    shape.add_argument("--order", choices=["NHD", "HND"], help="KV page order (NHD)")
+
+    demo = sub.add_parser(
+        "demo",
+        help="run a mixed batch on the configured backend and check it against the reference",
+        description="Run one mixed batch on the configured backend (default: the config in "
+        "effect) and compare the output and the KV cache with the reference backend.",
+    )
+    demo.add_argument("--backend", metavar="NAME", help="backend name (default: config in effect)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    return parser
+
+
+def main(argv: list[str] | None = None, *, prog: str = "attnsdk") -> int:
+    """Run the command in ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "info":
+            from attnsdk._cli_info import run_info
+
+            return run_info(args.json)
+        if args.command == "explain":
+            from attnsdk._cli_explain import run_explain
+
+            return run_explain(args)
+        from attnsdk._cli_demo import demo
+
+        return demo(args.backend, args.seed)
+    except AttnSDKError as exc:  # a configuration problem is a message, not a traceback
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `attnsdk info | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _dtype(name: str) -> object:
+    from attnsdk._cli_explain import parse_dtype
+
+    try:
+        return parse_dtype(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import difflib
-import json
 import os
-import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
+from attnsdk._config_files import config_table, find_pyproject, pyproject_table
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
+from attnsdk._registry import AUTO, canonical_name, lookup
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-__all__ = ["AttentionConfig", "AutoOptions"]
+__all__ = ["AttentionConfig", "AutoOptions", "ConfigSource", "config_in_effect"]
 
 ENV_BACKEND = "ATTNSDK_BACKEND"
 ENV_CONFIG = "ATTNSDK_CONFIG"
@@ -34,17 +32,19 @@ class AutoOptions(BaseModel):
 class AttentionConfig(BaseModel):
     """Frozen backend choice, discriminated on ``backend``; the options model is the backend's own.
 
-    Options may be given flat or under ``options``; unknown fields are rejected.
+    Options may be given flat or under ``options``; unknown fields are rejected, with the
+    closest option name. Backend names are matched ignoring case.
 
     >>> AttentionConfig.model_validate({"backend": "reference", "max_scores": 4096}).options
     ReferenceOptions(max_scores=4096)
-    >>> AttentionConfig().backend
-    'auto'
+    >>> AttentionConfig().backend, AttentionConfig(backend="Reference").backend
+    ('auto', 'reference')
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    backend: str = "auto"
+    backend: str = AUTO
+    """A registered backend name (matched ignoring case, stored as registered) or "auto"."""
     options: SerializeAsAny[BaseModel] = Field(default_factory=AutoOptions)
     debug: bool = False
     """Debug mode (also ``ATTNSDK_DEBUG=1``): validate every plan and forward, check outputs
@@ -66,25 +66,49 @@ class AttentionConfig(BaseModel):
     def from_file(cls, path: str | os.PathLike[str]) -> AttentionConfig:
         """Load a ``.json``, ``.toml`` or (with PyYAML installed) ``.yaml`` / ``.yml`` file.
 
-        A TOML file may hold the config at top level or under an ``[attnsdk]`` table.
+        The config sits at top level or under an ``attnsdk`` key (an ``[attnsdk]`` table in
+        TOML); a file named pyproject.toml is read from its ``[tool.attnsdk]`` table. Every
+        problem names the file and the field.
         """
         p = Path(path)
-        if not p.is_file():
-            raise UnsupportedConfigError(f"attention config file {str(p)!r} does not exist")
-        parse = _parser(p.suffix.lower(), p.name)
-        try:
-            data = parse(p.read_text())
-        except Exception as exc:  # each parser has its own error type; report them alike
-            raise UnsupportedConfigError(
-                f"attention config file {str(p)!r} cannot be parsed: {exc}"
-            ) from exc
-        if p.suffix.lower() == ".toml":
-            data = data.get("attnsdk", data)
-        if not isinstance(data, dict):
-            raise UnsupportedConfigError(
-                f"attention config file {p.name!r}: expected a mapping, found {type(data).__name__}"
-            )
-        where = f"In attention config file {str(p)!r}"
+        data, key = config_table(p)
+        where = f"In attention config file {str(p)!r}" + (f" (under {key!r})" if key else "")
+        return cls._from_table(data, where)
+
+    @classmethod
+    def from_pyproject(cls, path: str | os.PathLike[str] | None = None) -> AttentionConfig | None:
+        """The ``[tool.attnsdk]`` table of a pyproject.toml, or None when it has none.
+
+        ``path`` is the file, or a folder to search from; None searches from the current
+        directory. A search takes the nearest pyproject.toml in that folder or above (the
+        project's own) and returns None when there is none.
+        """
+        if path is None or Path(path).is_dir():
+            found = find_pyproject(None if path is None else Path(path))
+        else:
+            found = Path(path)
+        if found is None:
+            return None
+        table = pyproject_table(found)
+        if table is None:
+            return None
+        return cls._from_table(table, f"In [tool.attnsdk] of {str(found)!r}")
+
+    @classmethod
+    def from_env(cls) -> AttentionConfig:
+        """The config in effect, from the first of these that is set (it gives the whole config):
+
+        1. ``ATTNSDK_CONFIG``: a config file (``from_file``); ``ATTNSDK_BACKEND`` may be set
+           too only if it names the same backend;
+        2. ``ATTNSDK_BACKEND``: a backend name, with its default options;
+        3. ``[tool.attnsdk]`` in the nearest pyproject.toml (``from_pyproject``);
+        4. ``"auto"``.
+        """
+        return config_in_effect()[0]
+
+    @classmethod
+    def _from_table(cls, data: dict[str, Any], where: str) -> AttentionConfig:
+        """Validate a mapping read from a file; errors end with ``where`` (the file)."""
         try:
             return cls.model_validate(data)
         except InvalidInputError as exc:
@@ -94,39 +118,77 @@ class AttentionConfig(BaseModel):
             message = str(exc).split("\n", 1)[0]
             raise UnsupportedConfigError(f"{message} {where}", exc.reasons) from None
 
-    @classmethod
-    def from_env(cls) -> AttentionConfig:
-        """``ATTNSDK_CONFIG`` (a file path) or ``ATTNSDK_BACKEND`` (a backend name), else auto."""
-        path = os.environ.get(ENV_CONFIG)
-        name = os.environ.get(ENV_BACKEND)
-        if path:
-            try:
-                config = cls.from_file(path)
-            except UnsupportedConfigError as exc:  # name the variable the path came from
-                message = str(exc).split("\n", 1)[0]
-                raise UnsupportedConfigError(
-                    f"{ENV_CONFIG}={path!r}: {message}", exc.reasons
-                ) from None
-            if name and name != config.backend:
-                raise UnsupportedConfigError(
-                    f"{ENV_BACKEND}={name!r} contradicts backend {config.backend!r} in "
-                    f"{ENV_CONFIG}={path!r}; set one of them"
-                )
-            return config
-        if not name:
-            return cls()
-        return cls(backend=name)
+
+@dataclass(frozen=True, slots=True)
+class ConfigSource:
+    """Where the config in effect came from (``attnsdk info`` prints it)."""
+
+    kind: str
+    """The variable or flag that set it (``ATTNSDK_CONFIG``, ``ATTNSDK_BACKEND``, ``--backend``,
+    ``--config``), ``pyproject`` for ``[tool.attnsdk]``, or ``default``."""
+    value: str | None = None
+    """The file or backend name it gave; None for the default."""
+
+    def __str__(self) -> str:
+        if self.kind == "pyproject":
+            return f"[tool.attnsdk] in {self.value}"
+        if self.value is None:
+            return f"{self.kind} (none of {ENV_CONFIG}, {ENV_BACKEND}, [tool.attnsdk] is set)"
+        sep = " " if self.kind.startswith("--") else "="
+        return f"{self.kind}{sep}{self.value}"
+
+
+def config_in_effect() -> tuple[AttentionConfig, ConfigSource]:
+    """What ``AttentionConfig.from_env`` returns, and where it came from."""
+    path = os.environ.get(ENV_CONFIG)
+    name = os.environ.get(ENV_BACKEND)
+    if path:
+        try:
+            config = AttentionConfig.from_file(path)
+        except UnsupportedConfigError as exc:  # name the variable the path came from
+            raise _from_variable(exc, ENV_CONFIG, path) from None
+        if name and _canonical(name) != config.backend:
+            raise UnsupportedConfigError(
+                f"{ENV_BACKEND}={name!r} contradicts backend {config.backend!r} in "
+                f"{ENV_CONFIG}={path!r}; set one of them"
+            )
+        return config, ConfigSource(ENV_CONFIG, path)
+    if name:
+        try:
+            return AttentionConfig(backend=name), ConfigSource(ENV_BACKEND, name)
+        except UnsupportedConfigError as exc:
+            raise _from_variable(exc, ENV_BACKEND, name) from None
+    pyproject = find_pyproject()
+    table = AttentionConfig.from_pyproject(pyproject) if pyproject else None
+    if table is not None:
+        return table, ConfigSource("pyproject", str(pyproject))
+    return AttentionConfig(), ConfigSource("default")
+
+
+def _from_variable(
+    exc: UnsupportedConfigError, variable: str, value: str
+) -> UnsupportedConfigError:
+    message = str(exc).split("\n", 1)[0]
+    return UnsupportedConfigError(f"{variable}={value!r}: {message}", exc.reasons)
+
+
+def _canonical(name: str) -> str:
+    try:
+        return canonical_name(name)
+    except UnsupportedConfigError as exc:
+        raise _from_variable(exc, ENV_BACKEND, name) from None
 
 
 def _prepare(data: dict[str, Any]) -> dict[str, Any]:
     """Split flat options from ``backend`` / ``debug`` and validate them with the backend's own
     options model, raising attnsdk's typed errors instead of pydantic's."""
     data = dict(data)
-    backend = data.pop("backend", "auto")
+    backend = data.pop("backend", AUTO)
     debug = data.pop("debug", False)
     nested = data.pop("options", None)
     if not isinstance(backend, str):
         raise InvalidInputError("backend", "a backend name (str)", repr(backend))
+    backend = canonical_name(backend)  # "FA3" is "fa3"
     if not isinstance(debug, bool):
         raise InvalidInputError("debug", "True or False", repr(debug))
     if nested is not None and data:
@@ -167,36 +229,4 @@ def _option_error(exc: ValidationError, model: type[BaseModel], backend: str) ->
 
 
 def _options_model(backend: str) -> type[BaseModel]:
-    if backend == "auto":
-        return AutoOptions
-    from attnsdk._registry import lookup
-
-    return lookup(backend).options_model()
-
-
-def _parser(suffix: str, filename: str) -> Callable[[str], Any]:
-    """The ``loads`` for a config file's suffix; a missing parser library names its install."""
-    if suffix == ".json":
-        return json.loads
-    if suffix == ".toml":
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - Python 3.10
-            try:
-                import tomli as tomllib  # type: ignore[import-not-found]
-            except ImportError:
-                raise UnsupportedConfigError(
-                    f"reading {filename} on Python 3.10 needs: pip install tomli"
-                ) from None
-        return tomllib.loads
-    if suffix in (".yaml", ".yml"):
-        try:
-            import yaml  # type: ignore[import-untyped]
-        except ImportError:
-            raise UnsupportedConfigError(
-                f"reading {filename} needs PyYAML: pip install pyyaml (or use .json / .toml)"
-            ) from None
-        return yaml.safe_load
-    raise UnsupportedConfigError(
-        f"attention config file {filename!r}: expected a .json, .toml, .yaml or .yml suffix"
-    )
+    return AutoOptions if backend == AUTO else lookup(backend).options_model()

@@ -40,6 +40,8 @@ __all__ = ["Registration", "backend_names", "create_backend", "explain", "regist
 logger = logging.getLogger("attnsdk")
 
 ENTRY_POINT_GROUP = "attnsdk.backends"
+AUTO = "auto"
+"""The name that is no backend: pick the highest-priority one that can run here."""
 
 
 class NoOptions(BaseModel):
@@ -166,8 +168,8 @@ def register_backend(
     True
     >>> handle.remove()
     """
-    if not isinstance(name, str) or not name or name == "auto":
-        why = f"must be a non-empty str other than 'auto', found {name!r}"
+    if not isinstance(name, str) or not name or name.casefold() == AUTO:
+        why = f"must be a non-empty str other than 'auto' (in any case), found {name!r}"
         raise UnsupportedConfigError(
             f"cannot register a backend named {name!r}: pick a non-empty name other than 'auto'",
             [Reason(ReasonKind.CONFIGURATION, "name", why)],
@@ -206,21 +208,46 @@ def backend_names() -> list[str]:
 
 
 def lookup(name: str) -> _Entry:
-    """The registry entry for ``name``; an unknown name lists the known ones and the closest."""
+    """The registry entry for ``name``, matched exactly, else ignoring case (``"FA3"`` is
+    ``"fa3"``). Two registered names that match only ignoring case make the name ambiguous; an
+    unknown name lists the known ones and the closest."""
     if not isinstance(name, str):
         raise InvalidInputError("backend", "a backend name (str)", repr(name))
     _load_plugins()
     with _LOCK:
         entry = _REGISTRY.get(name)
-    if entry is None:
+        if entry is not None:
+            return entry
+        folded = [e for n, e in _REGISTRY.items() if n.casefold() == name.casefold()]
         known = sorted(_REGISTRY)
-        close = difflib.get_close_matches(name, [*known, "auto"], n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+    if len(folded) == 1:
+        return folded[0]
+    if folded:
+        names = sorted(e.name for e in folded)
+        listed = " and ".join(repr(n) for n in names)
         raise UnsupportedConfigError(
-            f"unknown attention backend {name!r}; known backends: {', '.join(['auto', *known])}.{hint}",
-            [Reason(ReasonKind.CONFIGURATION, "backend", f"{name!r} is not registered")],
+            f"attention backend name {name!r} is ambiguous: it matches {listed} ignoring case; "
+            "use the exact name",
+            [Reason(ReasonKind.CONFIGURATION, "backend", f"{name!r} matches {listed}")],
         )
-    return entry
+    by_folded = {n.casefold(): n for n in [*known, AUTO]}
+    close = difflib.get_close_matches(name.casefold(), list(by_folded), n=1)
+    hint = f" Did you mean {by_folded[close[0]]!r}?" if close else ""
+    raise UnsupportedConfigError(
+        f"unknown attention backend {name!r}; known backends: {', '.join([AUTO, *known])}.{hint}",
+        [Reason(ReasonKind.CONFIGURATION, "backend", f"{name!r} is not registered")],
+    )
+
+
+def canonical_name(name: str) -> str:
+    """``"auto"`` or the registered name ``name`` stands for (see ``lookup``).
+
+    >>> canonical_name("Reference"), canonical_name("AUTO")
+    ('reference', 'auto')
+    """
+    if isinstance(name, str) and name.casefold() == AUTO:
+        return AUTO
+    return lookup(name).name
 
 
 def create_backend(
@@ -228,7 +255,9 @@ def create_backend(
 ) -> Backend:
     """Create a backend from a name, an ``AttentionConfig`` or (None) the environment.
 
-    None reads ``ATTNSDK_CONFIG`` (a file) or ``ATTNSDK_BACKEND`` (a name), else ``"auto"``.
+    None reads the environment (``AttentionConfig.from_env``: ``ATTNSDK_CONFIG``, a file, then
+    ``ATTNSDK_BACKEND``, a name, then ``[tool.attnsdk]`` in pyproject.toml, else ``"auto"``).
+    Names are matched ignoring case when no registered name matches exactly.
     ``"auto"`` creates the highest-priority backend that can run here and logs its choice once;
     an explicit backend that cannot run raises ``UnsupportedConfigError`` with every reason.
 
@@ -243,14 +272,14 @@ def create_backend(
     if config is None:
         config = AttentionConfig.from_env()
     elif isinstance(config, str):
-        if config != "auto":  # before AttentionConfig, which resolves the options model
+        if canonical_name(config) != AUTO:  # before AttentionConfig resolves the options model
             _check_can_run(lookup(config), device)
         config = AttentionConfig(backend=config)
     elif not isinstance(config, AttentionConfig):
         raise InvalidInputError(
             "config", "a backend name, an AttentionConfig or None", repr(config)
         )
-    if config.backend == "auto":
+    if config.backend == AUTO:
         backend = _create_auto(config, device)
     else:
         entry = lookup(config.backend)
@@ -294,8 +323,9 @@ def explain(
 ) -> dict[str, list[Reason]]:
     """Every reason each candidate backend cannot serve ``layer`` / ``layout`` on ``device``.
 
-    For ``"auto"`` every registered backend is listed (highest priority first); otherwise only
-    the configured one. An empty list means the backend can serve the request.
+    For ``"auto"`` the backends it may pick are listed in the order it tries them (every
+    registered backend by priority, or ``AutoOptions.candidates``); otherwise only the configured
+    one. An empty list means the backend can serve the request.
 
     >>> from attnsdk import LayerSpec
     >>> explain("reference", LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64))
@@ -313,8 +343,13 @@ def explain(
             raise InvalidInputError(field, f"None or a {kind.__name__}", repr(value))
     if device is not None:
         check_device("device", device)
-    name = config if isinstance(config, str) else config.backend
-    entries = _entries() if name == "auto" else [lookup(name)]
+    name = canonical_name(config if isinstance(config, str) else config.backend)
+    if name != AUTO:
+        entries = [lookup(name)]
+    elif isinstance(config, AttentionConfig):
+        entries = _auto_entries(config)
+    else:
+        entries = _entries()
     return {e.name: _reasons(e, layer, layout, device) for e in entries}
 
 
@@ -346,10 +381,8 @@ def _reasons(
 
 
 def _create_auto(config: AttentionConfig, device: torch.device | str | None) -> Backend:
-    candidates = getattr(config.options, "candidates", None)
-    entries = [lookup(n) for n in candidates] if candidates else _entries()
     skipped: dict[str, list[Reason]] = {}
-    for entry in entries:
+    for entry in _auto_entries(config):
         reasons = entry.environment_reasons(device)
         if reasons:
             skipped[entry.name] = reasons
@@ -374,6 +407,12 @@ def _create_auto(config: AttentionConfig, device: torch.device | str | None) -> 
     raise UnsupportedConfigError(
         "no attention backend can run here: " + ", ".join(f"{n}" for n in skipped), flat
     )
+
+
+def _auto_entries(config: AttentionConfig) -> list[_Entry]:
+    """The backends "auto" tries, in order: ``AutoOptions.candidates``, else all by priority."""
+    candidates = getattr(config.options, "candidates", None)
+    return [lookup(n) for n in candidates] if candidates else _entries()
 
 
 def _entries() -> list[_Entry]:

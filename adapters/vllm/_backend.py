@@ -10,7 +10,8 @@ with a subclass::
     class FA3Backend(AttnSDKAttentionBackend):
         attnsdk_backend = "fa3"          # a name, an AttentionConfig or a Backend instance
 
-None (the default) reads ``ATTNSDK_CONFIG`` / ``ATTNSDK_BACKEND``, else picks "auto".
+None (the default) reads the environment (``AttentionConfig.from_env``: ``ATTNSDK_CONFIG``,
+``ATTNSDK_BACKEND``, ``[tool.attnsdk]`` in pyproject.toml), else picks "auto".
 """
 
 from __future__ import annotations

@@ -787,8 +787,12 @@ CONFIG_CASES = [
     config_case("backend-bytes", "backend", {"backend": b"reference"}),
     config_case("backend-misspelled", "backend", {"backend": "refrence"}, UCE, unknown("refrence")),
     config_case("backend-empty", "backend", {"backend": ""}, UCE, unknown("")),
-    config_case(
-        "backend-capitalised", "backend", {"backend": "Reference"}, UCE, "Did you mean 'reference'"
+    config_case(  # names ignore case ("Reference" is valid), suggestions too
+        "backend-capitalised-misspelled",
+        "backend",
+        {"backend": "Refrence"},
+        UCE,
+        "Did you mean 'reference'",
     ),
     config_case("backend-padded", "backend", {"backend": " reference"}, UCE, unknown(" reference")),
     config_case("backend-not-yet", "backend", {"backend": "fa4"}, UCE, unknown("fa4")),

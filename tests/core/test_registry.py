@@ -151,7 +151,7 @@ def test_builtin_needs_replace_too() -> None:
         A.register_backend("reference", make_backend("reference"))
 
 
-@pytest.mark.parametrize("name", ["auto", "", None, 3])
+@pytest.mark.parametrize("name", ["auto", "Auto", "AUTO", "", None, 3])
 def test_reserved_and_empty_names_are_rejected(name: Any) -> None:
     with pytest.raises(A.UnsupportedConfigError, match="cannot register a backend named"):
         A.register_backend(name, ReferenceBackend)
@@ -207,6 +207,53 @@ def test_unknown_name_without_close_match() -> None:
     ) as info:
         A.explain("qqqqqq")
     assert "Did you mean" not in str(info.value)
+
+
+# --- names ignore case ------------------------------------------------------------------------
+
+
+def test_names_are_matched_ignoring_case() -> None:
+    assert A.create_backend("REFERENCE").name == "reference"
+    assert A.create_backend(A.AttentionConfig(backend="Reference")).name == "reference"
+    assert list(A.explain("Reference")) == ["reference"]
+    assert set(A.explain("AUTO", device="cpu")) == set(A.backend_names())
+    assert _registry.lookup("FA3").name == "fa3"
+    assert _registry.canonical_name("Auto") == "auto"
+
+
+def test_registered_names_stay_as_registered() -> None:
+    A.register_backend("MyKernel", make_backend("MyKernel"), priority=-1)
+    assert "MyKernel" in A.backend_names()
+    assert A.AttentionConfig(backend="mykernel").backend == "MyKernel"
+    assert A.create_backend("MYKERNEL").name == "MyKernel"
+    assert list(A.explain("mykernel")) == ["MyKernel"]
+
+
+def test_names_differing_only_in_case_match_exactly_or_not_at_all() -> None:
+    A.register_backend("Flash", make_backend("Flash"), priority=-1)
+    A.register_backend("FLASH", make_backend("FLASH"), priority=-1)
+    assert A.create_backend("Flash").name == "Flash"  # an exact name wins
+    assert A.create_backend("FLASH").name == "FLASH"
+    with pytest.raises(A.UnsupportedConfigError, match="'flash' is ambiguous") as info:
+        A.create_backend("flash")
+    message = str(info.value)
+    assert "'FLASH' and 'Flash'" in message
+    assert "use the exact name" in message
+    assert [r.field for r in info.value.reasons] == ["backend"]
+    with pytest.raises(A.UnsupportedConfigError, match="ambiguous"):
+        A.AttentionConfig(backend="fLaSh")
+
+
+def test_suggestions_ignore_case() -> None:
+    with pytest.raises(A.UnsupportedConfigError, match=r"Did you mean 'reference'\?"):
+        A.create_backend("REFRENCE")
+
+
+def test_auto_candidates_ignore_case_and_explain_follows_them() -> None:
+    A.register_backend("top", make_backend("top"), priority=10_000)
+    config = A.AttentionConfig(backend="auto", candidates=["REFERENCE", "Top"])
+    assert A.create_backend(config).name == "reference"
+    assert list(A.explain(config, device="cpu")) == ["reference", "top"]  # tried in this order
 
 
 # --- auto selection ----------------------------------------------------------------------------
