@@ -8,8 +8,9 @@ attribute names, and ``SGLangAttentionBackend`` is built on first access, subcla
 
 from typing import TYPE_CHECKING, Any
 
-from attnsdk.adapters.sglang._adapter import Lengths, SGLangAdapter, StepKind, step_kind
+from attnsdk.adapters.sglang._adapter import Lengths, SGLangAdapter
 from attnsdk.adapters.sglang._backend import SGLANG_VERSIONS
+from attnsdk.adapters.sglang._modes import StepKind, step_kind
 
 if TYPE_CHECKING:
     from attnsdk.adapters.sglang._backend import (

@@ -15,10 +15,9 @@ SGLang's conventions, which every method here relies on (docs/adapters/sglang.md
 
 from __future__ import annotations
 
-import enum
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,60 +33,14 @@ from attnsdk import (
     UnsupportedConfigError,
 )
 from attnsdk._kv import COMPUTE_DTYPES
-from attnsdk.adapters._common import AttnKind
+from attnsdk.adapters.sglang._layer import radix_layer_spec
+from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, step_kind
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-__all__ = ["Lengths", "SGLangAdapter", "StepKind", "step_kind"]
-
-
-class StepKind(enum.Enum):
-    """How a forward mode lays out its query tokens (SGLang has more modes than shapes)."""
-
-    DECODE = "decode"
-    """DECODE and IDLE: one new token per row (IDLE has no rows outside CUDA-graph padding)."""
-    EXTEND = "extend"
-    """EXTEND, MIXED, DRAFT_EXTEND (<= 0.5.12), DRAFT_EXTEND_V2: ``extend_seq_lens`` new tokens
-    per row after a prefix."""
-    TARGET_VERIFY = "target_verify"
-    """A chain of ``spec_info.draft_token_num`` draft tokens per row, after ``seq_lens``."""
-
-
-def _is(mode: object, predicate: str) -> bool:
-    # Predicates differ between SGLang versions; a missing one means "not this mode".
-    fn = getattr(mode, predicate, None)
-    return bool(fn()) if callable(fn) else False
-
-
-_UNMAPPED = ("is_dllm_extend", "is_prebuilt", "is_split_prefill")
-"""Modes with other attention semantics (diffusion-LM blocks, prebuilt KV, layer-split
-prefill): refused rather than guessed."""
-
-
-def step_kind(mode: ForwardMode) -> StepKind:
-    """Classify a ``ForwardMode`` with SGLang's own predicates.
-
-    Order matters: SGLang's ``is_extend()`` is also true for TARGET_VERIFY, DRAFT_EXTEND,
-    SPLIT_PREFILL and DLLM_EXTEND. Modes with other attention semantics raise.
-    """
-    if _is(mode, "is_idle") or _is(mode, "is_decode"):
-        return StepKind.DECODE
-    if _is(mode, "is_target_verify"):
-        return StepKind.TARGET_VERIFY
-    if not any(_is(mode, p) for p in _UNMAPPED) and (
-        _is(mode, "is_draft_extend_v2")
-        or _is(mode, "is_draft_extend")
-        or _is(mode, "is_mixed")
-        or _is(mode, "is_extend")
-    ):
-        return StepKind.EXTEND
-    expected = "DECODE, IDLE, EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND or DRAFT_EXTEND_V2"
-    raise UnsupportedConfigError(
-        f"forward_batch.forward_mode: expected {expected}, found {mode!r}",
-        [Reason(ReasonKind.BATCH, "forward_mode", f"{mode!r} has no attnsdk mapping")],
-    )
+__all__ = ["Lengths", "SGLangAdapter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,104 +311,6 @@ class SGLangAdapter:
                 f"seq_lens - extend_seq_lens = {int(s.host[b] - q.host[b])}",
                 int(found[b]),
             )
-
-
-def draft_token_num(spec_info: Any) -> int:
-    """Draft tokens per row of a TARGET_VERIFY batch. Only draft chains are served.
-
-    A tree (EAGLE ``topk > 1``, every NGRAM verify: ``NgramVerifyInput`` has no ``topk`` and
-    is a tree of breadth ``speculative_ngram_max_bfs_breadth``) needs a tree mask, and a ragged
-    DFlash layout per-row draft counts: both are refused, never computed as a chain.
-    """
-    if spec_info is None:
-        raise InvalidMetadataError(
-            "forward_batch.spec_info", "an EagleVerifyInput-like object in TARGET_VERIFY", None
-        )
-    kind = type(spec_info).__name__
-    topk = getattr(spec_info, "topk", None)
-    if topk is None:
-        raise UnsupportedConfigError(
-            f"forward_batch.spec_info: expected a draft chain (topk == 1), found {kind} "
-            "without topk (NGRAM verify is a token tree)",
-            [Reason(ReasonKind.BATCH, "spec_info", "tree verify needs a tree mask")],
-        )
-    if isinstance(topk, bool) or not isinstance(topk, int):
-        raise InvalidMetadataError("forward_batch.spec_info.topk", "an int (1: a chain)", topk)
-    if topk != 1:
-        raise UnsupportedConfigError(
-            f"forward_batch.spec_info.topk: expected 1 (a draft chain), found {topk}",
-            [Reason(ReasonKind.BATCH, "spec_info.topk", "tree verify needs a tree mask")],
-        )
-    if getattr(spec_info, "ragged_verify_layout", None) is not None:
-        raise UnsupportedConfigError(
-            f"forward_batch.spec_info.ragged_verify_layout: expected None, found a {kind} layout",
-            [Reason(ReasonKind.BATCH, "ragged_verify_layout", "per-row draft counts")],
-        )
-    n = getattr(spec_info, "draft_token_num", None)
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise InvalidMetadataError("forward_batch.spec_info.draft_token_num", "an int > 0", n)
-    return n
-
-
-_ATTN_KINDS = {
-    "decoder": AttnKind.DECODER,
-    # Both attend over the paged cache without a causal mask (SGLang's FA3 does the same; a
-    # one-token decode sees every earlier key either way).
-    "encoder_only": AttnKind.BIDIRECTIONAL,
-    "decoder_bidirectional": AttnKind.BIDIRECTIONAL,
-}
-"""SGLang's ``AttentionType`` values."""
-
-
-def radix_layer_spec(layer: RadixAttention, *, has_sinks: bool = False) -> LayerSpec:
-    """``LayerSpec`` of a RadixAttention-like layer; raises for semantics attnsdk lacks."""
-    layer_id = getattr(layer, "layer_id", "?")
-    if getattr(layer, "is_cross_attention", False):
-        raise UnsupportedConfigError(
-            f"layer {layer_id}.is_cross_attention: expected False, found True",
-            [Reason(ReasonKind.CONFIGURATION, "is_cross_attention", "encoder KV is not mapped")],
-        )
-    attn_type = getattr(layer, "attn_type", "decoder")
-    attn_type = str(getattr(attn_type, "value", attn_type)).lower()
-    kind = _ATTN_KINDS.get(attn_type)
-    if kind is None:
-        raise UnsupportedConfigError(
-            f"layer {layer_id}.attn_type: expected one of {sorted(_ATTN_KINDS)}, found {attn_type}",
-            [Reason(ReasonKind.CONFIGURATION, "attn_type", f"{attn_type} has no attnsdk mapping")],
-        )
-    method = getattr(layer, "logit_capping_method", "tanh")
-    cap = _layer_number(layer, "logit_cap", 0.0) or 0.0
-    if cap > 0 and method != "tanh":
-        raise UnsupportedConfigError(
-            f"layer {layer_id}.logit_capping_method: expected 'tanh', found {method!r}",
-            [Reason(ReasonKind.CONFIGURATION, "logit_capping_method", "only tanh softcap")],
-        )
-    window = _layer_number(layer, "sliding_window_size", -1, integral=True)
-    v_dim = _layer_number(layer, "v_head_dim", -1, integral=True)
-    return LayerSpec(
-        num_heads=_layer_number(layer, "tp_q_head_num", integral=True),
-        num_kv_heads=_layer_number(layer, "tp_k_head_num", integral=True),
-        head_dim=_layer_number(layer, "head_dim", integral=True),
-        v_head_dim=None if v_dim is None or v_dim < 0 else int(v_dim),
-        scale=_layer_number(layer, "scaling"),
-        causal=kind.causal,
-        # SGLang stores W - 1 (FlashAttention's left window); -1 or None means no window.
-        sliding_window=None if window is None or window < 0 else int(window) + 1,
-        softcap=cap if cap > 0 else None,
-        has_sinks=has_sinks,
-    )
-
-
-def _layer_number(layer: Any, name: str, default: Any = ..., *, integral: bool = False) -> Any:
-    """A number attribute of a RadixAttention-like layer (None stays None), type-checked."""
-    value: Any = getattr(layer, name) if default is ... else getattr(layer, name, default)
-    if value is None:
-        return None
-    if integral and not isinstance(value, bool) and isinstance(value, numbers.Integral):
-        return int(value)
-    if not integral and not isinstance(value, bool) and isinstance(value, numbers.Real):
-        return float(value)
-    raise InvalidInputError(f"layer.{name}", "an int" if integral else "a number", repr(value))
 
 
 def _host_ints(field: str, values: object, batch_size: int) -> torch.Tensor:
