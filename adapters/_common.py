@@ -21,7 +21,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from attnsdk import (
     AttentionConfig,
@@ -112,8 +112,7 @@ def drop_in_class(
     engine_base = _engine_class(*base) if base is not None else None
     if engine_base is not None:
         bases = (impl, engine_base)
-    cls = type(name, bases, {"__module__": module, "__qualname__": name, **attrs})
-    return cls
+    return type(name, bases, {"__module__": module, "__qualname__": name, **attrs})
 
 
 def _engine_class(module: str, name: str) -> type | None:
@@ -188,7 +187,9 @@ class AttnKind(enum.Enum):
         return self is AttnKind.DECODER
 
 
-def refuse(what: str, field: str, why: str, kind: ReasonKind = ReasonKind.CONFIGURATION) -> None:
+def refuse(
+    what: str, field: str, why: str, kind: ReasonKind = ReasonKind.CONFIGURATION
+) -> NoReturn:
     """Raise ``UnsupportedConfigError`` for something the adapter does not serve."""
     raise UnsupportedConfigError(f"{what}: {field} {why}", [Reason(kind, field, why)])
 

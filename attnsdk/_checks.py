@@ -13,7 +13,7 @@ import torch
 
 from attnsdk._errors import InvalidInputError
 
-__all__ = ["check_bool", "check_device", "check_int", "check_positive_float"]
+__all__ = ["check_bool", "check_device", "check_int", "check_positive_float", "is_int_tensor"]
 
 INT32_MAX = 2**31 - 1
 
@@ -59,4 +59,15 @@ def check_device(field: str, value: object) -> torch.device:
         pass
     raise InvalidInputError(
         field, "a torch.device or a device string ('cpu', 'cuda:0')", repr(value)
+    )
+
+
+def is_int_tensor(t: object) -> bool:
+    """A tensor of integers: not floating point, not complex, not bool (which torch counts as
+    an integer dtype, and which would silently read as 0 / 1 slots or lengths)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and not t.is_floating_point()
+        and not t.is_complex()
+        and t.dtype != torch.bool
     )

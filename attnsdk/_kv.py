@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnsdk._checks import check_device, check_int
+from attnsdk._checks import check_device, check_int, is_int_tensor
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 
 __all__ = ["COMPUTE_DTYPES", "FP8_KV_DTYPES", "KVCache", "KVCacheLayout", "KVOrder"]
@@ -222,13 +222,7 @@ class KVCache:
         self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> int:
         """Host checks of ``store``'s arguments; returns the number of slots."""
-        if (
-            not isinstance(slot_mapping, torch.Tensor)
-            or slot_mapping.is_floating_point()
-            or slot_mapping.is_complex()
-            or slot_mapping.dtype == torch.bool
-            or slot_mapping.dim() != 1
-        ):
+        if not is_int_tensor(slot_mapping) or slot_mapping.dim() != 1:
             found = (
                 (slot_mapping.dtype, tuple(slot_mapping.shape))
                 if isinstance(slot_mapping, torch.Tensor)

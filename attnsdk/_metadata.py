@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnsdk._checks import check_device
+from attnsdk._checks import check_device, is_int_tensor
 from attnsdk._errors import InvalidMetadataError
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class AttentionMetadata:
             ("page_table", page_table),
             ("slot_mapping", slot_mapping),
         ):
-            if not _is_int_tensor(t):
+            if not is_int_tensor(t):
                 found = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
                 raise InvalidMetadataError(name, "an integer torch.Tensor", found)
         qsl_cpu = _host_ints("query_start_loc_cpu", query_start_loc_cpu)
@@ -231,15 +231,6 @@ def token_positions(
     return seq_of_token, torch.arange(seq_of_token.shape[0]) + start
 
 
-def _is_int_tensor(t: object) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and not t.is_floating_point()
-        and not t.is_complex()
-        and t.dtype != torch.bool
-    )
-
-
 def _page_table(values: IntsLike | Sequence[Sequence[int]]) -> torch.Tensor:
     """(B, W) int32 page table from a tensor or nested lists of ints (no silent float cast)."""
     if isinstance(values, torch.Tensor):
@@ -253,7 +244,7 @@ def _page_table(values: IntsLike | Sequence[Sequence[int]]) -> torch.Tensor:
             ) from exc
         if t.numel() == 0:
             t = t.to(torch.int32)  # torch reads [[]] as float32
-    if not _is_int_tensor(t):
+    if not is_int_tensor(t):
         raise InvalidMetadataError("page_table", "integer page ids", t.dtype)
     if t.dtype != torch.int32 and t.numel() and t.device.type != "meta":
         big = (t > _INT32_MAX) | (t < -_INT32_MAX - 1)
@@ -278,7 +269,7 @@ def _host_ints(field: str, values: IntsLike) -> torch.Tensor:
             raise InvalidMetadataError(field, "a 1-D sequence of ints", repr(values)) from exc
     if t.numel() == 0 and not isinstance(values, torch.Tensor):
         t = t.to(torch.int32)  # torch reads [] as float32
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+    if not is_int_tensor(t):
         raise InvalidMetadataError(field, "integers", t.dtype)
     if t.dim() != 1:
         raise InvalidMetadataError(field, "a 1-D sequence of ints", tuple(t.shape))

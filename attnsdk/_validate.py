@@ -23,7 +23,7 @@ def check_metadata(meta: AttentionMetadata, page_size: int | None = None) -> Non
     Device values (page ids, slots) are left to ``validate`` and to the kernels' guards.
     """
     check_is_metadata("meta", meta)
-    _check_tensors(meta, None)
+    _check_tensors(meta)
     _check_scalars(meta)
     if page_size is not None and meta.page_size is not None and meta.page_size != page_size:
         raise InvalidMetadataError(
@@ -124,8 +124,11 @@ def validate_metadata(
         raise InvalidMetadataError(
             "layout_or_cache", "a KVCacheLayout or KVCache", type(layout_or_cache).__name__
         )
-    _check_tensors(meta, cache_device)
     check_metadata(meta, page_size)
+    if cache_device is not None and meta.seq_lens.device != cache_device:
+        raise InvalidMetadataError(
+            "seq_lens.device", f"the cache's device {cache_device}", meta.seq_lens.device
+        )
     _check_host_twins(meta)
     qsl = meta.query_start_loc_cpu.long()
     owned = int(qsl[-1])
@@ -171,7 +174,7 @@ def validate_metadata(
         )
 
 
-def _check_tensors(meta: AttentionMetadata, cache_device: torch.device | None) -> None:
+def _check_tensors(meta: AttentionMetadata) -> None:
     host_seq = meta.seq_lens_cpu
     b = host_seq.shape[0] if isinstance(host_seq, torch.Tensor) and host_seq.dim() == 1 else -1
     # seq_lens_cpu defines B and seq_lens the device, so they are checked first: a malformed one
@@ -196,8 +199,6 @@ def _check_tensors(meta: AttentionMetadata, cache_device: torch.device | None) -
         expected_device = where or device
         if t.device.type != expected_device.type:
             raise InvalidMetadataError(f"{name}.device", str(expected_device), t.device)
-    if cache_device is not None and device != cache_device:
-        raise InvalidMetadataError("seq_lens.device", f"the cache's device {cache_device}", device)
 
 
 def check_pages(

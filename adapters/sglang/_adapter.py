@@ -32,6 +32,7 @@ from attnsdk import (
     ReasonKind,
     UnsupportedConfigError,
 )
+from attnsdk._checks import is_int_tensor
 from attnsdk._kv import COMPUTE_DTYPES
 from attnsdk.adapters.sglang._layer import radix_layer_spec
 from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, step_kind
@@ -73,7 +74,7 @@ class SGLangAdapter:
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2:
             found = tuple(req_to_token.shape) if isinstance(req_to_token, torch.Tensor) else None
             raise InvalidInputError("req_to_token", "a 2-D tensor [rows, max_context_len]", found)
-        if not _is_int(req_to_token):
+        if not is_int_tensor(req_to_token):
             raise InvalidInputError("req_to_token.dtype", "an integer dtype", req_to_token.dtype)
         self.req_to_token = req_to_token
         self.page_size = page_size
@@ -134,7 +135,7 @@ class SGLangAdapter:
     def slot_mapping(self, fb: ForwardBatch) -> torch.Tensor:
         """(T,) int64: ``out_cache_loc``, the slot SGLang allocated for each new token."""
         loc = fb.out_cache_loc
-        if not _is_int(loc) or loc.dim() != 1:
+        if not is_int_tensor(loc) or loc.dim() != 1:
             found = (loc.dtype, tuple(loc.shape)) if isinstance(loc, torch.Tensor) else loc
             raise InvalidMetadataError(
                 "forward_batch.out_cache_loc", "a 1-D integer tensor of slots", found
@@ -274,7 +275,7 @@ class SGLangAdapter:
         """Request rows in range, from the host copy SGLang keeps (0.5.13+), when it is there."""
         b = _batch_size(fb)
         indices = fb.req_pool_indices
-        if not _is_int(indices) or tuple(indices.shape) != (b,):
+        if not is_int_tensor(indices) or tuple(indices.shape) != (b,):
             is_tensor = isinstance(indices, torch.Tensor)
             found = (indices.dtype, tuple(indices.shape)) if is_tensor else repr(indices)
             raise InvalidMetadataError(
@@ -327,7 +328,7 @@ def _host_ints(field: str, values: object, batch_size: int) -> torch.Tensor:
             t = torch.tensor(list(values))  # type: ignore[call-overload]
         except (TypeError, ValueError, RuntimeError):
             raise InvalidMetadataError(field, f"{batch_size} host ints", repr(values)) from None
-    if not _is_int(t) and t.numel():
+    if not is_int_tensor(t) and t.numel():
         raise InvalidMetadataError(field, "integers", t.dtype)
     t = t.to(torch.int32)
     if tuple(t.shape) != (batch_size,):
@@ -338,22 +339,13 @@ def _host_ints(field: str, values: object, batch_size: int) -> torch.Tensor:
 def _device_ints(field: str, values: torch.Tensor | None, batch_size: int) -> torch.Tensor:
     if not isinstance(values, torch.Tensor):
         raise InvalidMetadataError(field, f"a ({batch_size},) tensor", type(values).__name__)
-    if not _is_int(values):
+    if not is_int_tensor(values):
         raise InvalidMetadataError(field, "an integer tensor", values.dtype)
     if tuple(values.shape) != (batch_size,):
         raise InvalidMetadataError(
             field, f"shape ({batch_size},) (batch_size)", tuple(values.shape)
         )
     return values.to(torch.int32)
-
-
-def _is_int(t: object) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and not t.is_floating_point()
-        and not t.is_complex()
-        and t.dtype != torch.bool
-    )
 
 
 def _batch_size(fb: ForwardBatch) -> int:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attnsdk import AttentionMetadata, InvalidInputError, InvalidMetadataError, LayerSpec
-from attnsdk._checks import check_positive_float
+from attnsdk._checks import check_positive_float, is_int_tensor
 from attnsdk.adapters._common import AttnKind
 from attnsdk.adapters.vllm._layout import VLLMKVLayout, wrap_kv_cache
 
@@ -108,7 +108,7 @@ class VLLMAdapter:
             raise InvalidMetadataError(
                 "block_table_tensor", "2 dims (num_reqs, W)", tuple(table.shape)
             )
-        if table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
+        if not is_int_tensor(table):
             raise InvalidMetadataError("block_table_tensor", "integer block ids", table.dtype)
         if table.shape[0] < num_reqs:
             raise InvalidMetadataError(
@@ -273,6 +273,6 @@ def _host_tensor(name: str, value: Any) -> torch.Tensor:
             ) from None
     if value.device.type != "cpu":
         raise InvalidMetadataError(f"{name}.device", "cpu", value.device)
-    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+    if not is_int_tensor(value):
         raise InvalidMetadataError(name, "integers", value.dtype)
     return value

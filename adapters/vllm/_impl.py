@@ -86,7 +86,7 @@ class AttnSDKAttentionImplBase:
         kind = vllm_attn_kind(self.attn_type)
         if kind is None:
             refuse(what, "attn_type", f"{self.attn_type} is not mapped (cross-attention)")
-        self.kind: AttnKind = kind  # type: ignore[assignment]
+        self.kind: AttnKind = kind
         # vLLM passes model-specific extras (use_alibi_sqrt, FlexAttention block sizes, ...)
         # only to backends that asked for them; a set one asks for what attnsdk lacks.
         for name, value in extra_impl_args.items():
