@@ -4,6 +4,7 @@ Read docs/architecture.md for how the pieces fit. The public API is exactly ``__
 """
 
 from attnsdk._backend import Backend, Plan
+from attnsdk._base import BackendBase, BackendClass, NoOptions
 from attnsdk._capabilities import Capabilities, Feature, GraphSupport, Reason, ReasonKind
 from attnsdk._config import AttentionConfig, AutoOptions
 from attnsdk._errors import (
@@ -28,6 +29,8 @@ __all__ = [
     "AttnSDKError",
     "AutoOptions",
     "Backend",
+    "BackendBase",
+    "BackendClass",
     "BackendUnavailableError",
     "Capabilities",
     "Feature",
@@ -41,6 +44,7 @@ __all__ = [
     "KVCacheLayout",
     "KVOrder",
     "LayerSpec",
+    "NoOptions",
     "Plan",
     "Reason",
     "ReasonKind",

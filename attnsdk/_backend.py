@@ -46,8 +46,15 @@ class Backend(Protocol):
     ``plan_for_capture`` per captured batch size, ``plan_for_replay`` before each replay.
     """
 
-    name: str
-    capabilities: Capabilities
+    @property
+    def name(self) -> str:
+        """The registry name ("fa3")."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What it can serve, as data."""
+        ...
 
     def unsupported_reasons(
         self,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnsdk._device import compute_capability
+from attnsdk._device import compute_capability, cuda_available
 from attnsdk._kv import FP8_KV_DTYPES, KVCacheLayout, KVOrder
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ class Feature(str, enum.Enum):
     SINKS = "sinks"
     NON_CAUSAL = "non_causal"
     FP8_KV = "fp8_kv"
-    MIXED_BATCH = "mixed_batch"
     DIFFERENT_V_HEAD_DIM = "different_v_head_dim"
 
 
@@ -93,12 +92,18 @@ class Capabilities:
     graph_support: GraphSupport = GraphSupport.NONE
 
 
+def default_device(caps: Capabilities) -> torch.device:
+    """Where a backend runs when no device is named: CUDA when it can use CUDA and this machine
+    has a GPU (or it runs nowhere else), else the CPU."""
+    if "cuda" in caps.devices and (cuda_available() or "cpu" not in caps.devices):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
 def device_reasons(caps: Capabilities, device: torch.device | str | None) -> list[Reason]:
     """Environment reasons: the device type and its compute capability."""
     env = ReasonKind.ENVIRONMENT
-    dev = torch.device(device) if device is not None else None
-    if dev is None:
-        dev = torch.device("cuda") if "cuda" in caps.devices else torch.device("cpu")
+    dev = torch.device(device) if device is not None else default_device(caps)
     if dev.type not in caps.devices:
         return [Reason(env, "device", f"must be one of {sorted(caps.devices)}, found {dev.type!r}")]
     if dev.type != "cuda":

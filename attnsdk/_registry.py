@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from attnsdk._base import BackendClass, NoOptions
 from attnsdk._capabilities import Capabilities, Reason, ReasonKind, capability_reasons
 from attnsdk._debug import debug_enabled, wrap_debug
 from attnsdk._errors import (
@@ -42,12 +43,6 @@ logger = logging.getLogger("attnsdk")
 ENTRY_POINT_GROUP = "attnsdk.backends"
 AUTO = "auto"
 """The name that is no backend: pick the highest-priority one that can run here."""
-
-
-class NoOptions(BaseModel):
-    """Options model of a backend that takes none."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 Factory = Callable[[Any], "Backend"]
@@ -363,10 +358,9 @@ def _reasons(
     if any(r.field == "import" for r in env):
         return env
     factory = entry.factory()
-    # A backend class may answer without being created (FA3 adds its build's own refusals).
-    reasons_for = getattr(factory, "reasons_for", None)
-    if reasons_for is not None:
-        return sorted(set(env) | set(reasons_for(layer, layout, device)))
+    # A backend class answers without being created (FA3 adds its build's own refusals).
+    if isinstance(factory, BackendClass):
+        return sorted(set(env) | set(factory.reasons_for(layer, layout, device)))
     caps = getattr(factory, "capabilities", None)
     if isinstance(caps, Capabilities):
         checked = capability_reasons(caps, layer, layout, device)

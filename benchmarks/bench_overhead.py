@@ -84,7 +84,8 @@ def main() -> None:
             "what": "Triton KV store (cached launch)",
             "us": host_us(
                 lambda: store_kv(
-                    k, v, cache.k, cache.v, meta.slot_mapping, 1, None, None, 0.0, bad_slot
+                    k, v, cache.k, cache.v, meta.slot_mapping, 1, None, None,
+                    quantize=False, fp8_max=0.0, bad_slot=bad_slot,
                 ),
                 n,
             ),

@@ -1,8 +1,7 @@
 """FA3 kernel providers: find one without importing it, load it, and call it the cheapest way.
 
-Three packages ship the FlashAttention-3 Hopper kernels under different names. Detection uses
-``importlib`` path lookups only, so asking "is FA3 installed?" never imports a kernel library
-(``find_spec`` on a dotted name would import the parent package).
+Three packages ship the FlashAttention-3 Hopper kernels under different names. Detection
+(``_gpu.module_present``) never imports a kernel library.
 
 Calling route (docs/benchmarks.md has the numbers): ``flash_attn_interface.flash_attn_with_kvcache``
 spends most of its eager time outside the kernel, in a ``torch.library.custom_op`` layer
@@ -16,14 +15,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.machinery
-import importlib.util
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from attnsdk._capabilities import Reason, ReasonKind
 from attnsdk._errors import BackendUnavailableError, UnsupportedConfigError
+from attnsdk.backends._gpu import module_present
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -38,7 +36,6 @@ __all__ = [
     "build_flags",
     "find_provider",
     "load_kernel",
-    "module_present",
 ]
 
 Provider = Literal["flash_attn_interface", "sgl_kernel", "vllm"]
@@ -62,17 +59,6 @@ _WRAPPER_NEEDS = frozenset({"page_table", "cu_seqlens_q", "max_seqlen_q", "cache
 """Keywords the public wrapper must take for one paged varlen call to serve a mixed batch."""
 _FWD_ARITY = 35
 _FWD_MARKERS = {0: "q", 34: "sinks"}
-
-
-def module_present(name: str) -> bool:
-    """True when ``name`` (possibly dotted) can be imported; imports nothing."""
-    top, _, rest = name.partition(".")
-    spec = importlib.util.find_spec(top)
-    for part in rest.split(".") if rest else ():
-        if spec is None or spec.submodule_search_locations is None:
-            return False
-        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
-    return spec is not None
 
 
 def find_provider(pinned: Provider | Literal["auto"] = "auto") -> Provider | None:

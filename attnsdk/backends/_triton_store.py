@@ -166,22 +166,26 @@ def store_kv(
     num_tokens: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    *,
+    quantize: bool,
     fp8_max: float,
     bad_slot: torch.Tensor,
 ) -> None:
     """Write rows ``0..num_tokens-1`` of k (T, Hkv, D) / v (T, Hkv, Dv) at their slots.
 
     ``k``/``v`` may have any strides. ``k_cache`` / ``v_cache`` are (N, P, Hkv, D|Dv) views (any
-    strides, last dim contiguous). Scales are fp32 with 1 or Hkv elements (None: 1);
-    ``fp8_max`` > 0 turns quantisation on. A slot >= N * P is skipped and max-reduced into
-    ``bad_slot`` (an int64 (1,) device tensor, see ``SlotGuard``).
+    strides, last dim contiguous). ``quantize``: divide by the scales (fp32, 1 or Hkv elements;
+    None: 1) and clamp to ±``fp8_max`` before the cast to the cache's fp8 dtype. A slot >= N * P
+    is skipped and max-reduced into ``bad_slot`` (an int64 (1,) device tensor, see ``SlotGuard``).
     """
     if num_tokens == 0:
         return
     if triton is None:
-        raise BackendUnavailableError("the fa3 KV store needs Triton.", "pip install triton")
+        raise BackendUnavailableError("the GPU KV store needs Triton.", "pip install triton")
+    if quantize and not fp8_max > 0:
+        raise ValueError(f"quantize=True needs the fp8 dtype's largest value, found {fp8_max}")
     hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
-    quant = fp8_max > 0
+    quant = quantize
     # Unscaled launches never read the scale pointers; any tensor stands in for them.
     ks = k_scale if k_scale is not None else slot_mapping
     vs = v_scale if v_scale is not None else slot_mapping

@@ -20,20 +20,18 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from attnsdk._backend import Plan, check_forward_args
+from attnsdk._backend import Plan
+from attnsdk._base import BackendBase
 from attnsdk._capabilities import (
     Capabilities,
     Feature,
     GraphSupport,
     Reason,
     ReasonKind,
-    capability_reasons,
     device_reasons,
 )
 from attnsdk._errors import UnsupportedConfigError
-from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVOrder
-from attnsdk._validate import check_metadata
 from attnsdk.backends._fa3_kernels import (
     INSTALL_COMMAND,
     PROVIDERS,
@@ -41,13 +39,13 @@ from attnsdk.backends._fa3_kernels import (
     find_provider,
     load_kernel,
 )
+from attnsdk.backends._gpu import DeviceKVStore
 
 if TYPE_CHECKING:
     from attnsdk._kv import KVCache, KVCacheLayout
     from attnsdk._layer import LayerSpec
     from attnsdk._metadata import AttentionMetadata
     from attnsdk.backends._fa3_kernels import KernelCall
-    from attnsdk.backends._triton_store import SlotGuard
 
 __all__ = ["FA3Backend", "FA3Options", "FA3Plan"]
 
@@ -99,7 +97,7 @@ class _Static:
     """What FA3's scheduler metadata depends on besides the batch."""
 
 
-class FA3Backend(GraphHooks):
+class FA3Backend(BackendBase):
     """FlashAttention-3 on Hopper. See the module docstring."""
 
     name = "fa3"
@@ -118,13 +116,12 @@ class FA3Backend(GraphHooks):
     )
     Options = FA3Options
     plan_type = FA3Plan
+    options: FA3Options
 
     def __init__(self, options: FA3Options | None = None) -> None:
-        self.options = options or FA3Options()
+        super().__init__(options)
         self._kernel: KernelCall = load_kernel(self.options.provider)
-        # Layers already checked against this backend (LayerSpec and layout are frozen values).
-        self._static: dict[tuple[LayerSpec, KVCacheLayout], _Static] = {}
-        self._guards: dict[torch.device, SlotGuard] = {}
+        self._store = DeviceKVStore()
         wanted = self.options.precompute_scheduler
         self._precompute = self._kernel.scheduler is not None and wanted is not False
         if wanted and self._kernel.scheduler is None:
@@ -152,149 +149,16 @@ class FA3Backend(GraphHooks):
             )
         return sorted(reasons)
 
-    def unsupported_reasons(
-        self,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
-    ) -> list[Reason]:
-        return self.reasons_for(layer, layout, device)
-
     @classmethod
-    def reasons_for(
-        cls,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
-    ) -> list[Reason]:
-        """``unsupported_reasons`` without an instance: the capabilities, the environment and
-        what FA3 (or this build of it, read from ``flash_attn_config``) refuses."""
-        reasons = set(capability_reasons(cls.capabilities, layer, layout, device))
-        reasons.update(cls.environment_reasons(device))
-        reasons.update(_fa3_reasons(layer, layout, build_flags()))
-        return sorted(reasons)
+    def extra_reasons(cls, layer: LayerSpec | None, layout: KVCacheLayout | None) -> list[Reason]:
+        """What FA3 (or this build of it, read from ``flash_attn_config``) refuses."""
+        return _fa3_reasons(layer, layout, build_flags())
 
-    # -- per step ---------------------------------------------------------------------------
-
-    def plan(self, meta: AttentionMetadata) -> FA3Plan:
-        # FA3 reads the metadata tensors as they are; nothing to compute or copy per step.
-        check_metadata(meta)
-        self._guard(meta.device).poll()
-        return FA3Plan(meta)
-
-    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
-        super().plan_for_replay(plan, meta)
-        self._guard(meta.device).poll()
-
-    def sync_check(self, device: torch.device) -> None:
-        """Raise now, with a device sync, what the KV store recorded (debug mode calls it)."""
-        self._guard(device).check_now()
-
-    def _guard(self, device: torch.device) -> SlotGuard:
-        guard = self._guards.get(device)
-        if guard is None:
-            from attnsdk.backends._triton_store import SlotGuard  # imports Triton
-
-            guard = self._guards[device] = SlotGuard(device)
-        return guard
-
-    # -- per layer --------------------------------------------------------------------------
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        cache: KVCache,
-        plan: Plan,
-        layer: LayerSpec,
-        *,
-        sinks: torch.Tensor | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        check_forward_args(
-            q, k, v, cache, plan, layer, sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out
-        )
-        st = self._static.get((layer, cache.layout))
-        if st is None:
-            st = self._check_layer(layer, cache)
-        meta = plan.metadata
-        dest = out
-        if out is None or out.stride(-1) != 1:  # FA3 writes each head vector contiguously
-            out = torch.empty(
-                q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
-            )
-        k_cache, v_cache = cache.k_nhd, cache.v_nhd
-        if k is not None and v is not None:
-            from attnsdk.backends._triton_store import store_kv
-
-            fp8_max = _FP8_MAX if st.quantized else 0.0
-            store_kv(
-                k,
-                v,
-                k_cache,
-                v_cache,
-                meta.slot_mapping,
-                meta.num_tokens,
-                k_scale,
-                v_scale,
-                fp8_max,
-                self._guard(cache.device).flag,
-            )
-        b = meta.num_seqs
-        if b == 0 or q.shape[0] == 0:
-            return out if dest is None else dest
-        if q.stride(-1) != 1:
-            q = q.contiguous()  # FA3 reads each head vector as one contiguous run
-        k_descale = v_descale = None
-        if st.quantized:
-            q = q.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
-            hkv = layer.num_kv_heads
-            if k_scale is not None:
-                k_descale = k_scale.reshape(1, -1).expand(b, hkv)
-            if v_scale is not None:
-                v_descale = v_scale.reshape(1, -1).expand(b, hkv)
-        if sinks is not None:
-            # FA3 (flash_api_stable) reads the sink logits as bf16 whatever the compute dtype.
-            sinks = sinks.to(torch.bfloat16)
-        scheduler = self._scheduler(plan, meta, layer, st) if self._precompute else None
-        self._kernel(
-            q,
-            k_cache,
-            v_cache,
-            out,
-            cu_seqlens_q=meta.query_start_loc,
-            cache_seqlens=meta.seq_lens,
-            page_table=meta.page_table,
-            max_seqlen_q=meta.max_query_len,
-            softmax_scale=st.scale,
-            causal=st.causal,
-            window=st.window,
-            softcap=st.softcap,
-            q_descale=None,
-            k_descale=k_descale,
-            v_descale=v_descale,
-            scheduler_metadata=scheduler,
-            num_splits=self.options.num_splits,
-            pack_gqa=self.options.pack_gqa,
-            sinks=sinks,
-        )
-        if dest is not None and dest is not out:
-            return dest.copy_(out)
-        return out
-
-    def _check_layer(self, layer: LayerSpec, cache: KVCache) -> _Static:
-        """First forward of a (layer, layout): every reason it cannot run, else its arguments."""
-        layout = cache.layout
-        reasons = self.unsupported_reasons(layer, layout, cache.device)
-        if reasons:
-            raise UnsupportedConfigError("the fa3 backend cannot run this layer:", reasons)
+    def layer_state(self, layer: LayerSpec, layout: KVCacheLayout) -> _Static:
         wl = layer.window_left
         # Non-causal windows are symmetric (DESIGN §2); FA3 takes the right edge separately.
         window = (wl, 0 if layer.causal else wl) if wl >= 0 else (-1, -1)
-        st = _Static(
+        return _Static(
             scale=layer.softmax_scale,
             causal=layer.causal,
             window=window,
@@ -314,8 +178,96 @@ class FA3Backend(GraphHooks):
                 layout.page_size,
             ),
         )
-        self._static[(layer, layout)] = st
-        return st
+
+    # -- per step ---------------------------------------------------------------------------
+
+    def make_plan(self, meta: AttentionMetadata) -> FA3Plan:
+        # FA3 reads the metadata tensors as they are; nothing to compute or copy per step.
+        self._store.poll(meta.device)
+        return FA3Plan(meta)
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        super().plan_for_replay(plan, meta)
+        self._store.poll(meta.device)
+
+    def sync_check(self, device: torch.device) -> None:
+        """Raise now, with a device sync, what the KV store recorded (debug mode calls it)."""
+        self._store.check_now(device)
+
+    # -- per layer --------------------------------------------------------------------------
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        plan: Plan,
+        state: _Static,
+        *,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> None:
+        self._store(k, v, cache, plan.metadata, k_scale=k_scale, v_scale=v_scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        state: _Static,
+        *,
+        sinks: torch.Tensor | None,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        st = state
+        meta = plan.metadata
+        dest = out
+        if out.stride(-1) != 1:  # FA3 writes each head vector contiguously
+            out = torch.empty(
+                q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
+            )
+        b = meta.num_seqs
+        if b == 0 or q.shape[0] == 0:
+            return dest
+        if q.stride(-1) != 1:
+            q = q.contiguous()  # FA3 reads each head vector as one contiguous run
+        k_descale = v_descale = None
+        if st.quantized:
+            q = q.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+            hkv = layer.num_kv_heads
+            if k_scale is not None:
+                k_descale = k_scale.reshape(1, -1).expand(b, hkv)
+            if v_scale is not None:
+                v_descale = v_scale.reshape(1, -1).expand(b, hkv)
+        if sinks is not None:
+            # FA3 (flash_api_stable) reads the sink logits as bf16 whatever the compute dtype.
+            sinks = sinks.to(torch.bfloat16)
+        scheduler = self._scheduler(plan, meta, layer, st) if self._precompute else None
+        self._kernel(
+            q,
+            cache.k_nhd,
+            cache.v_nhd,
+            out,
+            cu_seqlens_q=meta.query_start_loc,
+            cache_seqlens=meta.seq_lens,
+            page_table=meta.page_table,
+            max_seqlen_q=meta.max_query_len,
+            softmax_scale=st.scale,
+            causal=st.causal,
+            window=st.window,
+            softcap=st.softcap,
+            q_descale=None,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            scheduler_metadata=scheduler,
+            num_splits=self.options.num_splits,
+            pack_gqa=self.options.pack_gqa,
+            sinks=sinks,
+        )
+        return out if dest is out else dest.copy_(out)
 
     def _scheduler(
         self, plan: Plan, meta: AttentionMetadata, layer: LayerSpec, st: _Static

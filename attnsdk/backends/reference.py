@@ -12,22 +12,15 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from attnsdk._backend import Plan, check_forward_args
-from attnsdk._capabilities import (
-    Capabilities,
-    Feature,
-    GraphSupport,
-    Reason,
-    capability_reasons,
-)
-from attnsdk._graph import GraphHooks
+from attnsdk._base import BackendBase
+from attnsdk._capabilities import Capabilities, Feature, GraphSupport
 from attnsdk._kv import FP8_KV_DTYPES, KVOrder
-from attnsdk._validate import check_metadata, check_pages
+from attnsdk._validate import check_pages
 
 if TYPE_CHECKING:
-    from attnsdk._kv import KVCache, KVCacheLayout
+    from attnsdk._backend import Plan
+    from attnsdk._kv import KVCache
     from attnsdk._layer import LayerSpec
-    from attnsdk._metadata import AttentionMetadata
 
 __all__ = ["ReferenceBackend", "ReferenceOptions"]
 
@@ -41,7 +34,7 @@ class ReferenceOptions(BaseModel):
     """Upper bound on score-matrix elements held at once; long prefills are split in query chunks."""
 
 
-class ReferenceBackend(GraphHooks):
+class ReferenceBackend(BackendBase):
     """The oracle: exact semantics, modest speed. See module docstring.
 
     Not capturable (it loops on host lengths), but its ``GraphHooks`` run eagerly, which lets
@@ -58,53 +51,27 @@ class ReferenceBackend(GraphHooks):
         features=frozenset(Feature),
         graph_support=GraphSupport.NONE,
     )
+    Options = ReferenceOptions
+    options: ReferenceOptions
 
-    def __init__(self, options: ReferenceOptions | None = None) -> None:
-        self.options = options or ReferenceOptions()
+    def check_step(self, plan: Plan, cache: KVCache) -> None:
+        # The oracle may sync: every page it will read is checked before anything is written.
+        check_pages(plan.metadata, cache.layout.page_size, cache.num_pages)
 
-    @classmethod
-    def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
-        return capability_reasons(cls.capabilities, None, None, device or "cpu")
-
-    def unsupported_reasons(
-        self,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
-    ) -> list[Reason]:
-        return capability_reasons(self.capabilities, layer, layout, device or "cpu")
-
-    def plan(self, meta: AttentionMetadata) -> Plan:
-        check_metadata(meta)
-        return Plan(meta)
-
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         cache: KVCache,
         plan: Plan,
         layer: LayerSpec,
+        state: None,
         *,
-        sinks: torch.Tensor | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        out: torch.Tensor,
     ) -> torch.Tensor:
-        check_forward_args(
-            q, k, v, cache, plan, layer, sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out
-        )
         meta = plan.metadata
-        # The oracle may sync: every page it will read is checked before anything is written.
-        check_pages(meta, cache.layout.page_size, cache.num_pages)
-        if k is not None and v is not None:
-            t = meta.num_tokens
-            cache.store(k[:t], v[:t], meta.slot_mapping[:t], k_scale=k_scale, v_scale=v_scale)
-        if out is None:
-            out = torch.empty(
-                q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
-            )
         qsl = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
         longest = max((s for b, s in enumerate(seq_lens) if qsl[b + 1] > qsl[b]), default=0)

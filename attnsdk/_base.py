@@ -1,0 +1,295 @@
+"""``BackendBase``: the one class a backend author subclasses.
+
+A backend declares what it can do as data (``capabilities``) and writes two things: how to
+attend (``attend``) and, when it has any, what it works out once per layer shape
+(``layer_state``) or once per step (``make_plan``). The base class owns everything every
+backend must do the same way: the reasons it cannot serve a request, the host checks of every
+plan and forward, the order check → store → attend, per-model preparation and warm-up, and the
+CUDA-graph hooks (``GraphHooks``).
+
+    class MyBackend(BackendBase):
+        name = "mine"
+        capabilities = Capabilities(devices=frozenset({"cuda"}), ...)
+
+        def attend(self, q, cache, plan, layer, state, *, sinks, k_scale, v_scale, out):
+            ...  # new K/V are already in ``cache``; write (T, Hq, Dv) into ``out``
+
+docs/adding_a_backend.md walks through one; ``attnsdk.testing.conformance`` is the test suite
+every backend runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from attnsdk._backend import Plan, check_forward_args
+from attnsdk._capabilities import Capabilities, Reason, capability_reasons, device_reasons
+from attnsdk._errors import InvalidInputError, UnsupportedConfigError
+from attnsdk._graph import GraphHooks
+from attnsdk._kv import KVCacheLayout
+from attnsdk._layer import LayerSpec
+from attnsdk._validate import check_metadata
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from attnsdk._backend import Backend
+    from attnsdk._kv import KVCache
+    from attnsdk._metadata import AttentionMetadata
+
+__all__ = ["BackendBase", "BackendClass", "NoOptions"]
+
+
+class NoOptions(BaseModel):
+    """Options model of a backend that takes none."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+@runtime_checkable
+class BackendClass(Protocol):
+    """What the registry reads from a backend class without creating it.
+
+    ``BackendBase`` subclasses satisfy it; a plain factory function registered with
+    ``register_backend`` need not (the registry then asks the created backend instead).
+    """
+
+    name: str
+    priority: int
+    Options: type[BaseModel]
+    capabilities: Capabilities
+
+    def __call__(self, options: Any) -> Backend: ...
+
+    def environment_reasons(self, device: torch.device | str | None = None) -> list[Reason]:
+        """Why it cannot run on ``device`` at all (not installed, wrong GPU). Imports nothing."""
+        ...
+
+    def reasons_for(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        """Every reason it cannot serve ``layer`` / ``layout`` on ``device``, environment first."""
+        ...
+
+
+class BackendBase(GraphHooks):
+    """Base class of attnsdk backends; see the module docstring.
+
+    Class attributes a subclass sets: ``name``, ``capabilities``, and optionally ``priority``
+    (``"auto"`` tries higher first), ``Options`` (a frozen pydantic model) and ``plan_type``
+    (a ``Plan`` subclass when plans carry more than the metadata).
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    priority: ClassVar[int] = 0
+    Options: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        if options is not None and not isinstance(options, self.Options):
+            raise InvalidInputError(
+                "options", f"None or a {self.Options.__name__}", type(options).__name__
+            )
+        self.options = options if options is not None else self.Options()
+        self._layer_states: dict[tuple[LayerSpec, KVCacheLayout], Any] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("__abstract__"):
+            return
+        missing = [a for a in ("name", "capabilities") if not hasattr(cls, a)]
+        if missing:
+            raise TypeError(f"{cls.__name__} (a BackendBase) must set {', '.join(missing)}")
+
+    # -- what it can serve (class side: the registry asks before creating one) -------------
+
+    @classmethod
+    def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
+        """Device type and compute capability from ``capabilities``. Backends that need a
+        kernel package add an ``install`` reason here; this must import nothing heavy."""
+        return device_reasons(cls.capabilities, device)
+
+    @classmethod
+    def extra_reasons(cls, layer: LayerSpec | None, layout: KVCacheLayout | None) -> list[Reason]:
+        """Hook: refusals that ``capabilities`` cannot express (a kernel build's switches)."""
+        return []
+
+    @classmethod
+    def reasons_for(
+        cls,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        """Capabilities, environment and ``extra_reasons``, sorted and without repeats."""
+        reasons = set(capability_reasons(cls.capabilities, layer, layout, device))
+        reasons.update(cls.environment_reasons(device))
+        reasons.update(cls.extra_reasons(layer, layout))
+        return sorted(reasons)
+
+    def unsupported_reasons(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        return self.reasons_for(layer, layout, device)
+
+    # -- once per model ---------------------------------------------------------------------
+
+    def prepare(
+        self,
+        layers: Iterable[LayerSpec],
+        layout: KVCacheLayout,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Check and precompute every layer of a model before serving it.
+
+        Raises ``UnsupportedConfigError`` with every reason of every layer it cannot serve
+        (each reason's field names the layer index). Optional: ``forward`` prepares a layer it
+        has not seen, but then the first step pays for it, and backends that plan per layer
+        shape (one kernel variant per shape) can only plan the shapes they know.
+        """
+        if not isinstance(layout, KVCacheLayout):
+            raise InvalidInputError("layout", "a KVCacheLayout", type(layout).__name__)
+        dev = torch.device(device) if device is not None else None
+        failed: list[Reason] = []
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, LayerSpec):
+                raise InvalidInputError(f"layers[{i}]", "a LayerSpec", type(layer).__name__)
+            reasons = self.unsupported_reasons(layer, layout, dev)
+            if reasons:
+                failed += [Reason(r.kind, f"layers[{i}].{r.field}", r.message) for r in reasons]
+            elif (layer, layout) not in self._layer_states:
+                self._layer_states[(layer, layout)] = self.layer_state(layer, layout)
+        if failed:
+            raise UnsupportedConfigError(
+                f"the {self.name} backend cannot serve this model:", sorted(set(failed))
+            )
+
+    @property
+    def prepared(self) -> list[tuple[LayerSpec, KVCacheLayout]]:
+        """The (layer, layout) pairs seen so far by ``prepare`` or ``forward``, in that order."""
+        return list(self._layer_states)
+
+    def warmup(self, device: torch.device | str | None = None, num_pages: int = 8) -> None:
+        """Compile or load every kernel variant the prepared layers need, before serving.
+
+        Runs one small mixed step (a decode row and a prefill row) per prepared layer shape on
+        a scratch cache of ``num_pages`` pages, in eager mode and, for a capturable backend, on
+        nothing else: CUDA graphs compile nothing new. Backends whose kernels compile lazily
+        (Triton, JIT libraries, ``torch.compile``) then serve the first real step at full
+        speed. A no-op before ``prepare``.
+        """
+        from attnsdk._warmup import warm_up
+
+        for layer, layout in self.prepared:
+            warm_up(self, layer, layout, device, num_pages)
+
+    def layer_state(self, layer: LayerSpec, layout: KVCacheLayout) -> Any:
+        """Hook: what ``attend`` needs per (layer, layout), worked out once (kernel arguments,
+        a compiled function). Called only for pairs this backend can serve. Default: None."""
+        return None
+
+    # -- once per step ----------------------------------------------------------------------
+
+    def plan(self, meta: AttentionMetadata) -> Plan:
+        """Check ``meta`` on the host (no device sync), then ``make_plan``."""
+        check_metadata(meta)
+        return self.make_plan(meta)
+
+    def make_plan(self, meta: AttentionMetadata) -> Plan:
+        """Hook: per-step precomputation shared by all layers; ``meta`` is already checked.
+        ``self.prepared`` lists the layer shapes to plan for. Default: ``plan_type(meta)``."""
+        return self.plan_type(meta)
+
+    # -- once per layer ---------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Check the arguments, write new K/V (``store``), then ``attend``. See ``Backend``."""
+        check_forward_args(
+            q, k, v, cache, plan, layer, sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out
+        )
+        key = (layer, cache.layout)
+        try:
+            state = self._layer_states[key]
+        except KeyError:
+            state = self._first_forward(layer, cache)
+        self.check_step(plan, cache)
+        if k is not None and v is not None:
+            self.store(k, v, cache, plan, state, k_scale=k_scale, v_scale=v_scale)
+        if out is None:
+            out = torch.empty(
+                q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
+            )
+        return self.attend(
+            q, cache, plan, layer, state, sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out
+        )
+
+    def check_step(self, plan: Plan, cache: KVCache) -> None:
+        """Hook: checks before anything is written, beyond the host checks every forward runs
+        (the reference backend checks every page it will read, with a sync). Default: none."""
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        plan: Plan,
+        state: Any,
+        *,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> None:
+        """Write rows ``0..num_tokens-1`` of k / v at the plan's slots (negative: skip).
+
+        Default: ``KVCache.store`` (portable, checks every slot, syncs). GPU backends use the
+        sync-free Triton store (``attnsdk.backends._gpu.DeviceKVStore``).
+        """
+        meta = plan.metadata
+        t = meta.num_tokens
+        cache.store(k[:t], v[:t], meta.slot_mapping[:t], k_scale=k_scale, v_scale=v_scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        state: Any,
+        *,
+        sinks: torch.Tensor | None,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of q (T, Hq, D) over the cache (new K/V already stored), into ``out``
+        (T, Hq, Dv), which it returns. Every argument has passed the host checks; ``state``
+        is ``layer_state(layer, cache.layout)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement attend()")
+
+    def _first_forward(self, layer: LayerSpec, cache: KVCache) -> Any:
+        reasons = self.unsupported_reasons(layer, cache.layout, cache.device)
+        if reasons:
+            raise UnsupportedConfigError(f"the {self.name} backend cannot run this layer:", reasons)
+        state = self._layer_states[(layer, cache.layout)] = self.layer_state(layer, cache.layout)
+        return state

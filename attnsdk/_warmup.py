@@ -1,0 +1,65 @@
+"""One small real step per layer shape, so that lazily compiled kernels exist before serving."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnsdk._capabilities import default_device
+from attnsdk._metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from attnsdk._backend import Backend
+    from attnsdk._kv import KVCacheLayout
+    from attnsdk._layer import LayerSpec
+
+__all__ = ["warm_up"]
+
+
+def warm_up(
+    backend: Backend,
+    layer: LayerSpec,
+    layout: KVCacheLayout,
+    device: torch.device | str | None,
+    num_pages: int,
+) -> None:
+    """Run a decode row and a prefill row of ``layer`` through ``backend`` on scratch memory.
+
+    Two steps: the first writes a prompt, the second decodes after it and extends a second
+    sequence, so both the pure-prefill and the mixed kernel variants are built. Page 0 stays
+    reserved, as in every engine.
+    """
+    dev = torch.device(device) if device is not None else default_device(backend.capabilities)
+    p = layout.page_size
+    pages_per_seq = max(1, (num_pages - 1) // 2)
+    cache = layout.allocate(1 + 2 * pages_per_seq, device=dev)
+    span = pages_per_seq * p
+    table = [
+        list(range(1, 1 + pages_per_seq)),
+        list(range(1 + pages_per_seq, 1 + 2 * pages_per_seq)),
+    ]
+    prompt = max(1, min(span - 1, 2 * p))
+    steps = (
+        ([prompt, prompt], [prompt, prompt]),  # two prefills
+        ([1, min(2, span - prompt)], [prompt + 1, prompt + min(2, span - prompt)]),  # mixed
+    )
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for query_lens, seq_lens in steps:
+        meta = AttentionMetadata.from_seqlens(
+            query_lens, seq_lens, page_table=table, page_size=p, device=dev
+        )
+        t = meta.num_tokens
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(device=dev, dtype=layout.dtype)
+
+        q = rand(t, layer.num_heads, layer.head_dim)
+        k = rand(t, layer.num_kv_heads, layer.head_dim)
+        v = rand(t, layer.num_kv_heads, layer.v_dim)
+        sinks = torch.zeros(layer.num_heads, device=dev) if layer.has_sinks else None
+        scale = torch.ones((), device=dev) if layout.is_quantized else None
+        plan = backend.plan(meta)
+        backend.forward(q, k, v, cache, plan, layer, sinks=sinks, k_scale=scale, v_scale=scale)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
