@@ -32,6 +32,7 @@ from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVCacheLayout
 from attnsdk._layer import LayerSpec
 from attnsdk._validate import check_metadata
+from attnsdk._warmup import warm_up
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -60,7 +61,6 @@ class BackendClass(Protocol):
     name: str
     priority: int
     Options: type[BaseModel]
-    capabilities: Capabilities
 
     def __call__(self, options: Any) -> Backend: ...
 
@@ -187,8 +187,6 @@ class BackendBase(GraphHooks):
         (Triton, JIT libraries, ``torch.compile``) then serve the first real step at full
         speed. A no-op before ``prepare``.
         """
-        from attnsdk._warmup import warm_up
-
         for layer, layout in self.prepared:
             warm_up(self, layer, layout, device, num_pages)
 

@@ -200,14 +200,17 @@ def capability_reasons(
         for feat, wanted in wants.items():
             if wanted and feat not in f:
                 reasons.append(Reason(cfg, feat.value, "is not supported by this backend"))
-    if layer is not None and layout is not None and layer.num_kv_heads != layout.num_kv_heads:
-        reasons.append(
-            Reason(
-                cfg,
-                "num_kv_heads",
-                f"layer has {layer.num_kv_heads} but the KV layout has {layout.num_kv_heads}",
-            )
-        )
+    if layer is not None and layout is not None:
+        # The cache must hold what the layer attends over (forward checks the same).
+        for name, mine, theirs in (
+            ("num_kv_heads", layer.num_kv_heads, layout.num_kv_heads),
+            ("head_dim", layer.head_dim, layout.head_dim),
+            ("v_head_dim", layer.v_dim, layout.v_dim),
+        ):
+            if mine != theirs:
+                reasons.append(
+                    Reason(cfg, name, f"layer has {mine} but the KV layout has {theirs}")
+                )
     return sorted(reasons)
 
 

@@ -44,15 +44,28 @@ class Batch:
     v_scale: torch.Tensor | None = None
 
     def fresh_cache(self) -> KVCache:
-        """A copy of the initial cache, so several backends can run from the same state."""
-        return KVCache(self.cache.layout, self.cache.k.clone(), self.cache.v.clone())
+        """A copy of the initial cache, so several backends can run from the same state.
+
+        K and V that are views of one tensor (vLLM's packed K‖V) stay views of one copy, with
+        the same strides: a backend then runs on exactly the arrangement it was given.
+        """
+        k, v = self.cache.k, self.cache.v
+        if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+            return KVCache(self.cache.layout, k.clone(), v.clone())
+        whole = k.untyped_storage().nbytes() // k.element_size()
+        copy = k.as_strided((whole,), (1,), 0).clone()
+        return KVCache(
+            self.cache.layout,
+            copy.as_strided(k.shape, k.stride(), k.storage_offset()),
+            copy.as_strided(v.shape, v.stride(), v.storage_offset()),
+        )
 
     def run(self, backend: Backend, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
         """Plan and run ``backend`` on a fresh cache copy; return (out[:num_tokens], cache).
 
         The output buffer is poisoned with NaN first, so rows a backend forgets show up.
         """
-        cache = cache or self.fresh_cache()
+        cache = self.fresh_cache() if cache is None else cache
         plan = backend.plan(self.metadata)
         out = torch.full(
             (self.q.shape[0], self.layer.num_heads, self.layer.v_dim),

@@ -60,7 +60,7 @@ def test_dependencies_are_imported_and_extras_match_their_imports() -> None:
     imported = set().union(*map(_imported_modules, _python_files()))
     assert "typing_extensions" not in imported
     extras = PROJECT["optional-dependencies"]
-    assert extras["testing"] == ["hypothesis>=6"]
+    assert extras["testing"] == ["hypothesis>=6", "pytest>=7"]
     assert extras["fa3"] == ["tokenspeed-fa3"]
     assert "attnsdk[testing]" in extras["dev"]
     assert {"sphinx", "myst-parser"} <= {d.split("=")[0] for d in extras["docs"]}

@@ -1,0 +1,587 @@
+"""``BackendConformance``: the one test suite every attnsdk backend runs (needs pytest).
+
+A backend's test module subclasses it and names the backend and the device; pytest collects
+the subclass (its name starts with ``Test``), never this base::
+
+    from attnsdk.testing.conformance import BackendConformance
+
+    class TestMineConformance(BackendConformance):
+        backend = "mine"          # a registered name or an AttentionConfig
+        device = "cuda"
+
+Every case compares the backend with the ``reference`` backend (fp32 accumulation) run on a copy
+of the same cache: the output within the dtype's tolerance (``attnsdk.testing.tolerance``) and
+the whole cache after the step (bit-exact; fp8 slots the step writes within one fp8 step). A
+case the backend declares it cannot serve (``unsupported_reasons``) must be refused with
+``UnsupportedConfigError``, writing nothing, and is then skipped with those reasons: the
+backend's own declarations are the only way to skip a case.
+
+The matrix is a covering design, not a product: every batch preset on the plain layer, every
+feature on a mixed batch, every storage order and page size on a mixed batch, each dtype with a
+few features; then ``prepare`` / ``warmup``, bad metadata, ``out=``, ``k = v = None``, rows past
+``num_tokens`` and CUDA-graph replay against eager execution.
+
+Class attributes a subclass may set: ``dtypes`` (default: fp16, bf16 and fp32; those the backend
+does not declare are checked to be refused), ``page_sizes`` (of the layout cases), ``page_size``
+(of the others), ``seeds`` (random batches per case), ``atol`` / ``rtol`` (override the
+dtype-derived tolerance), and the hooks ``tolerance`` and ``reference_batch`` for precision
+choices a backend documents (fa3 multiplies fp8 KV with q cast to fp8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pytest
+import torch
+
+from attnsdk._base import BackendBase
+from attnsdk._capabilities import GraphSupport
+from attnsdk._errors import InvalidMetadataError, UnsupportedConfigError
+from attnsdk._kv import COMPUTE_DTYPES, KVCache, KVCacheLayout
+from attnsdk._layer import LayerSpec
+from attnsdk._metadata import AttentionMetadata
+from attnsdk._registry import create_backend, explain
+from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.graphs import GraphRunner
+from attnsdk.testing._batch import Batch, PageOrder, make_batch
+from attnsdk.testing._spec import BatchSpec
+from attnsdk.testing._tolerance import assert_close_to_reference, tolerance
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from attnsdk._backend import Backend
+    from attnsdk._config import AttentionConfig
+
+__all__ = ["FEATURES", "PRESETS", "BackendConformance", "FeatureCase"]
+
+_E4M3 = torch.float8_e4m3fn
+PACKED = "packed"
+"""Storage order of the layout cases: vLLM's [N, Hkv, P, D + Dv] tensor, K and V its halves."""
+_ORDERS = ("NHD", "HND", PACKED)
+_PAGE_ORDERS: tuple[PageOrder, ...] = ("shuffled", "interleaved", "contiguous")
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureCase:
+    """One feature case: the layer's and the layout's options on top of the plain layer."""
+
+    layer: dict[str, Any]
+    kv_dtype: torch.dtype | None = None
+    per_head_scales: bool = False
+
+
+_GQA = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64}
+FEATURES: dict[str, FeatureCase] = {
+    "mha": FeatureCase({"num_heads": 4, "num_kv_heads": 4, "head_dim": 64}),
+    "gqa": FeatureCase(_GQA),
+    "mqa": FeatureCase({**_GQA, "num_kv_heads": 1}),
+    "window": FeatureCase({**_GQA, "sliding_window": 13}),
+    "noncausal": FeatureCase({**_GQA, "causal": False}),
+    "noncausal-window": FeatureCase({**_GQA, "causal": False, "sliding_window": 9}),
+    "softcap": FeatureCase({**_GQA, "softcap": 2.0}),
+    "sinks": FeatureCase({**_GQA, "has_sinks": True}),
+    "v-head-dim": FeatureCase({**_GQA, "head_dim": 192, "v_head_dim": 128}),
+    "fp8-e4m3": FeatureCase(_GQA, kv_dtype=_E4M3),
+    "fp8-e4m3-per-head": FeatureCase(_GQA, kv_dtype=_E4M3, per_head_scales=True),
+    "everything": FeatureCase({**_GQA, "sliding_window": 17, "softcap": 5.0, "has_sinks": True}),
+}
+"""Feature name -> case. "mha" is the plain layer of the preset cases; "gqa" of the others."""
+
+
+def _preset(name: str) -> Callable[[int], BatchSpec]:
+    return lambda seed: BatchSpec.presets(seed)[name]
+
+
+PRESETS: dict[str, Callable[[int], BatchSpec]] = {
+    **{name: _preset(name) for name in BatchSpec.presets()},
+    "mixed+padding": lambda seed: BatchSpec.mixed(4, max_len=40, seed=seed).with_padding(2, 3),
+}
+"""Batch preset name -> spec for a seed: ``BatchSpec.presets()`` (decode, prefill, chunked
+prefill, mixed, speculative verify, long context, empty rows, graph padding) and padding rows of
+several tokens."""
+
+_DTYPE_FEATURES = ("gqa", "everything", "fp8-e4m3")
+
+
+def _mixed(seed: int) -> BatchSpec:
+    return BatchSpec.mixed(batch_size=6, max_len=60, seed=seed)
+
+
+class BackendConformance:
+    """Base class of a backend's conformance tests; see the module docstring."""
+
+    backend: ClassVar[str | AttentionConfig]
+    """The backend under test: a registered name or an ``AttentionConfig``."""
+    device: ClassVar[str] = "cpu"
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    """Compute dtypes of the dtype cases; None: fp16, bf16 and fp32."""
+    page_sizes: ClassVar[tuple[int, ...]] = (1, 16, 64)
+    page_size: ClassVar[int] = 16
+    seeds: ClassVar[int] = 3
+    atol: ClassVar[float | None] = None
+    rtol: ClassVar[float | None] = None
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def tolerance(self, layout: KVCacheLayout) -> tuple[float, float]:
+        """(atol, rtol) of the output comparison; default from the dtypes, then ``atol``/``rtol``."""
+        atol, rtol = tolerance(layout.dtype, layout.storage_dtype)
+        return (
+            atol if self.atol is None else self.atol,
+            rtol if self.rtol is None else self.rtol,
+        )
+
+    def reference_batch(self, batch: Batch) -> Batch:
+        """The batch the reference runs: override to model rounding the backend documents."""
+        return batch
+
+    # -- parametrisation and fixtures ---------------------------------------------------------
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Parametrise ``dtype`` and ``page_size`` from the subclass's attributes."""
+        if "dtype" in metafunc.fixturenames:
+            dtypes = self.dtypes or tuple(sorted(COMPUTE_DTYPES, key=str))
+            metafunc.parametrize("dtype", dtypes, ids=[_dtype_id(d) for d in dtypes])
+        if "page_size" in metafunc.fixturenames:
+            metafunc.parametrize(
+                "page_size", self.page_sizes, ids=[f"p{p}" for p in self.page_sizes]
+            )
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls) -> Backend:
+        """The backend under test; skips the class, with the reasons, where it cannot run."""
+        config = cls.backend
+        dev = torch.device(cls.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            pytest.skip(f"{cls.__name__} needs a CUDA device ({cls.device}); none is visible")
+        env = [r for reasons in explain(config, device=dev).values() for r in reasons]
+        if env:
+            pytest.skip(f"{_name(config)} cannot run on {dev}: " + "; ".join(map(str, env)))
+        return create_backend(config, device=dev)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def oracle(cls) -> Backend:
+        """The reference backend: every output and cache is compared with it."""
+        return ReferenceBackend()
+
+    # -- the matrix ---------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("preset", sorted(PRESETS))
+    def test_preset(self, subject: Backend, oracle: Backend, preset: str) -> None:
+        """Every batch shape an engine produces, on the plain (MHA) layer."""
+        self._check(
+            subject, oracle, "mha", self._dtype(subject), "NHD", self.page_size, PRESETS[preset]
+        )
+
+    @pytest.mark.parametrize("feature", sorted(FEATURES))
+    def test_feature(self, subject: Backend, oracle: Backend, feature: str) -> None:
+        """Every feature of DESIGN §2 on mixed batches."""
+        self._check(subject, oracle, feature, self._dtype(subject), "NHD", self.page_size, _mixed)
+
+    @pytest.mark.parametrize("order", _ORDERS)
+    def test_layout(self, subject: Backend, oracle: Backend, order: str, page_size: int) -> None:
+        """Storage orders (NHD, HND, packed K‖V) and page sizes on mixed batches."""
+        self._check(subject, oracle, "gqa", self._dtype(subject), order, page_size, _mixed)
+
+    @pytest.mark.parametrize("feature", _DTYPE_FEATURES)
+    def test_dtype(
+        self, subject: Backend, oracle: Backend, feature: str, dtype: torch.dtype
+    ) -> None:
+        """Each compute dtype with a few features; undeclared dtypes must be refused."""
+        self._check(subject, oracle, feature, dtype, "NHD", self.page_size, _mixed)
+
+    # -- the lifecycle and the edges of forward -----------------------------------------------
+
+    def test_prepare_and_warmup(self, subject: Backend, oracle: Backend) -> None:
+        """``prepare`` every servable feature layer, ``warmup``, then a step still matches."""
+        base = _base(subject)
+        dtype = self._dtype(subject)
+        layout = self._layout(FEATURES["gqa"], dtype, "NHD", self.page_size)
+        layers = [
+            lay
+            for lay in _layers_for(layout)
+            if not subject.unsupported_reasons(lay, layout, self.device)
+        ]
+        if not layers:
+            pytest.skip(f"{subject.name} serves none of the feature layers on {layout}")
+        base.prepare(layers, layout, self.device)
+        assert set(base.prepared) >= {(lay, layout) for lay in layers}
+        base.warmup(self.device)
+        for layer in layers:
+            batch = self._batch(layer, layout, _mixed(3), seed=3)
+            self._compare(subject, oracle, batch)
+
+    def test_prepare_names_the_unservable_layer(self, subject: Backend) -> None:
+        """``prepare`` refuses a model with every reason, each naming ``layers[i]``."""
+        base = _base(subject)
+        layout = self._layout(FEATURES["gqa"], self._dtype(subject), "NHD", self.page_size)
+        good = LayerSpec(**FEATURES["gqa"].layer)
+        bad = next(
+            (
+                lay
+                for lay in _layers_for(layout)
+                if subject.unsupported_reasons(lay, layout, self.device)
+            ),
+            # Every feature served: a layer whose KV heads are not the cache's.
+            LayerSpec(num_heads=8, num_kv_heads=4, head_dim=layout.head_dim),
+        )
+        with pytest.raises(UnsupportedConfigError, match=r"layers\[1\]") as info:
+            base.prepare([good, bad], layout, self.device)
+        fields = [r.field for r in info.value.reasons]
+        assert fields, "UnsupportedConfigError without reasons"
+        assert all(f.startswith("layers[1].") for f in fields), fields
+
+    def test_plan_rejects_bad_metadata(self, subject: Backend) -> None:
+        """A row with more query tokens than keys is refused by ``plan``, naming the field."""
+        qsl = torch.tensor([0, 2, 5], dtype=torch.int32)
+        seq = torch.tensor([4, 2], dtype=torch.int32)  # row 1: 3 new tokens but 2 keys
+        meta = AttentionMetadata.from_tensors(
+            query_start_loc=qsl.to(self.device),
+            seq_lens=seq.to(self.device),
+            page_table=torch.tensor([[1], [2]], dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((5,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq,
+            page_size=self.page_size,
+        )
+        with pytest.raises(InvalidMetadataError, match=r"seq_lens\[1\]"):
+            subject.plan(meta)
+
+    @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+    def test_out_is_honoured(self, subject: Backend, oracle: Backend, strided: bool) -> None:
+        """``out=`` (also a column view of a wider buffer) receives the result."""
+        layer, layout = self._case("gqa", self._dtype(subject), "NHD", self.page_size)
+        batch = self._batch(layer, layout, _mixed(1), seed=1)
+        self._require(subject, batch)
+        t, hq, dv = batch.q.shape[0], layer.num_heads, layer.v_dim
+        wide = torch.full(
+            (t, hq, dv + (8 if strided else 0)),
+            float("nan"),
+            dtype=batch.q.dtype,
+            device=self.device,
+        )
+        out = wide[..., :dv]
+        cache = batch.fresh_cache()
+        plan = subject.plan(batch.metadata)
+        result = subject.forward(batch.q, batch.k, batch.v, cache, plan, layer, out=out)
+        ref, ref_cache = self.reference_batch(batch).run(oracle)
+        n = batch.metadata.num_tokens
+        self._assert_output(out[:n], ref, layout)
+        _assert_same_cache(cache, ref_cache, batch.metadata, exact=True)
+        assert torch.equal(result[:n], out[:n]), (
+            "forward returned other values than it wrote to out"
+        )
+        if strided:
+            assert bool(wide[..., dv:].isnan().all()), "forward wrote past the columns of out"
+
+    @pytest.mark.parametrize("feature", ["gqa", "fp8-e4m3-per-head"])
+    def test_kv_already_written(self, subject: Backend, oracle: Backend, feature: str) -> None:
+        """``k = v = None``: the caller wrote the new K/V; forward only attends, writes nothing."""
+        layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
+        batch = self._batch(
+            layer, layout, _mixed(2), seed=2, per_head=FEATURES[feature].per_head_scales
+        )
+        self._require(subject, batch)
+        ref, written = self.reference_batch(batch).run(oracle)
+        cache = _copy(written)
+        scales = {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
+        out = subject.forward(
+            batch.q, None, None, cache, subject.plan(batch.metadata), layer, **scales
+        )
+        self._assert_output(out[: batch.metadata.num_tokens], ref, layout)
+        _assert_same_cache(cache, written, batch.metadata, exact=True)
+
+    @pytest.mark.parametrize("kind", ["q-rows", "graph-metadata"])
+    def test_rows_past_num_tokens(self, subject: Backend, oracle: Backend, kind: str) -> None:
+        """Extra NaN rows of q / k / v (an engine's padded graph buffers), or metadata whose
+        ``num_tokens`` covers them with slot -1, leave real rows and the cache as they are."""
+        layer, layout = self._case("gqa", self._dtype(subject), "NHD", self.page_size)
+        batch = self._batch(layer, layout, _mixed(4), seed=4)
+        self._require(subject, batch)
+        extra, n = 5, batch.metadata.num_tokens
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, torch.full_like(x[:extra], float("nan"))])
+
+        meta = batch.metadata
+        if kind == "graph-metadata":
+            unused = torch.full((extra,), -1, dtype=torch.int64, device=self.device)
+            meta = dataclasses.replace(
+                meta, num_tokens=n + extra, slot_mapping=torch.cat([meta.slot_mapping, unused])
+            )
+        padded = dataclasses.replace(
+            batch, metadata=meta, q=pad(batch.q), k=pad(batch.k), v=pad(batch.v)
+        )
+        out, cache = padded.run(subject)
+        ref, ref_cache = self.reference_batch(batch).run(oracle)
+        self._assert_output(out[:n], ref, layout)
+        _assert_same_cache(cache, ref_cache, batch.metadata, exact=not layout.is_quantized)
+
+    @pytest.mark.parametrize("tokens_per_seq", [1, 3])
+    def test_graph_replay_equals_eager(self, subject: Backend, tokens_per_seq: int) -> None:
+        """CUDA-graph capture (``GraphRunner`` over graph_state / plan_for_capture /
+        plan_for_replay) then replay of smaller batches equals eager execution."""
+        if torch.device(self.device).type != "cuda":
+            pytest.skip(f"CUDA graphs need a CUDA device; this class runs on {self.device}")
+        level = subject.capabilities.graph_support
+        needed = GraphSupport.DECODE_ONLY if tokens_per_seq == 1 else GraphSupport.UNIFORM_BATCH
+        if level < needed:
+            pytest.skip(
+                f"{subject.name} declares graph_support={level.name}, this needs {needed.name}"
+            )
+        layer, layout = self._case("gqa", self._dtype(subject), "NHD", self.page_size)
+        reasons = subject.unsupported_reasons(layer, layout, self.device)
+        if reasons:
+            pytest.skip("; ".join(map(str, reasons)))
+        self._graph_vs_eager(subject, layer, layout, tokens_per_seq, level)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _graph_vs_eager(
+        self,
+        subject: Backend,
+        layer: LayerSpec,
+        layout: KVCacheLayout,
+        tokens_per_seq: int,
+        level: GraphSupport,
+    ) -> None:
+        dev, p, max_pages, num_pages = torch.device(self.device), layout.page_size, 8, 200
+        gen = torch.Generator().manual_seed(tokens_per_seq)
+        graph_cache = layout.allocate(num_pages, dev)
+        for x in (graph_cache.k, graph_cache.v):
+            x.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
+        eager_cache = _copy(graph_cache)
+
+        def step(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return subject.forward(q, k, v, graph_cache, plan, layer)
+
+        sizes = [1, 3, 8]
+        runner = GraphRunner(
+            subject, step, batch_sizes=sizes, max_pages=max_pages, page_size=p,
+            tokens_per_seq=tokens_per_seq, device=dev,
+        )  # fmt: skip
+
+        def rand(t: int, h: int, d: int) -> torch.Tensor:
+            return torch.randn(t, h, d, generator=gen).to(dev, layout.dtype)
+
+        rows = sizes[-1] * tokens_per_seq
+        hq, hkv, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim
+        runner.capture(rand(rows, hq, d), rand(rows, hkv, d), rand(rows, hkv, dv))
+        r = random.Random(tokens_per_seq)
+        for b in (1, 2, 3, 5, 8):
+            if level >= GraphSupport.ANY_BATCH:
+                q_lens = [r.randint(0, tokens_per_seq) for _ in range(b)]
+                q_lens[0] = max(q_lens[0], 1)
+            else:
+                q_lens = [tokens_per_seq] * b
+            seq = [q + r.randint(0, max_pages * p - q) for q in q_lens]
+            pages = r.sample(range(1, num_pages), b * max_pages)
+            table = torch.tensor(pages, dtype=torch.int32).view(b, max_pages)
+            meta = AttentionMetadata.from_seqlens(q_lens, seq, table, p, device=dev)
+            t = meta.num_tokens
+            q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, dv)
+            got = runner(meta, q, k, v).clone()
+            want = subject.forward(q, k, v, eager_cache, subject.plan(meta), layer)[:t]
+            self._assert_output(got, want, layout)
+            _assert_same_cache(graph_cache, eager_cache, meta, exact=True)
+
+    def _dtype(self, subject: Backend) -> torch.dtype:
+        """The compute dtype of the non-dtype cases: bf16 if served, else the first served."""
+        allowed = self.dtypes or tuple(COMPUTE_DTYPES)
+        for d in (torch.bfloat16, torch.float16, torch.float32):
+            if d in allowed and d in subject.capabilities.dtypes:
+                return d
+        return allowed[0]
+
+    def _layout(
+        self, f: FeatureCase, dtype: torch.dtype, order: str, page_size: int
+    ) -> KVCacheLayout:
+        return KVCacheLayout(
+            f.layer["num_kv_heads"],
+            f.layer["head_dim"],
+            page_size,
+            dtype=dtype,
+            v_head_dim=f.layer.get("v_head_dim"),
+            order="HND" if order == PACKED else order,
+            kv_dtype=f.kv_dtype,
+        )
+
+    def _case(
+        self, feature: str, dtype: torch.dtype, order: str, page_size: int
+    ) -> tuple[LayerSpec, KVCacheLayout]:
+        f = FEATURES[feature]
+        return LayerSpec(**f.layer), self._layout(f, dtype, order, page_size)
+
+    def _batch(
+        self,
+        layer: LayerSpec,
+        layout: KVCacheLayout,
+        spec: BatchSpec,
+        seed: int,
+        *,
+        per_head: bool = False,
+        packed: bool = False,
+    ) -> Batch:
+        pages = _PAGE_ORDERS[seed % len(_PAGE_ORDERS)]
+        batch = make_batch(
+            spec,
+            layer,
+            layout,
+            pages=pages,
+            seed=seed,
+            device=self.device,
+            per_head_scales=per_head,
+        )
+        if packed:
+            batch = dataclasses.replace(batch, cache=_packed(batch.cache))
+        if batch.sinks is not None:
+            # make_batch's unit-normal sinks barely move the output; these move it well past
+            # the tolerance, so a backend that ignores them fails.
+            gen = torch.Generator().manual_seed(seed)
+            sinks = 1.0 + 2.0 * torch.randn(layer.num_heads, generator=gen)
+            batch = dataclasses.replace(batch, sinks=sinks.to(self.device))
+        return batch
+
+    def _assert_output(self, out: torch.Tensor, ref: torch.Tensor, layout: KVCacheLayout) -> None:
+        atol, rtol = self.tolerance(layout)
+        assert_close_to_reference(out, ref, atol=atol, rtol=rtol)
+
+    def _require(self, subject: Backend, batch: Batch) -> None:
+        """Skip, with the backend's reasons, what it declares it cannot serve, after checking
+        that forward refuses it and writes nothing."""
+        layout = batch.cache.layout
+        reasons = subject.unsupported_reasons(batch.layer, layout, self.device)
+        if not reasons:
+            return
+        cache = _copy(batch.cache)
+        with pytest.raises(UnsupportedConfigError):
+            batch.run(subject, cache)
+        _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
+        pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+
+    def _check(
+        self,
+        subject: Backend,
+        oracle: Backend,
+        feature: str,
+        dtype: torch.dtype,
+        order: str,
+        page_size: int,
+        spec: Callable[[int], BatchSpec],
+    ) -> None:
+        f = FEATURES[feature]
+        layer, layout = self._case(feature, dtype, order, page_size)
+        for seed in range(self.seeds):
+            packed = order == PACKED
+            batch = self._batch(
+                layer, layout, spec(seed), seed, per_head=f.per_head_scales, packed=packed
+            )
+            self._require(subject, batch)
+            out = self._compare(subject, oracle, batch)
+            if layer.has_sinks and batch.metadata.num_tokens:
+                # A backend that ignores sinks must fail: they move the output well past the
+                # tolerance (checked here, so the case cannot pass vacuously).
+                plain = dataclasses.replace(
+                    batch, layer=dataclasses.replace(layer, has_sinks=False), sinks=None
+                )
+                without, _ = self.reference_batch(plain).run(oracle)
+                gap = float((out.float() - without.float()).abs().max())
+                atol, _ = self.tolerance(layout)
+                assert gap > 10 * atol, f"sinks moved the output by only {gap:.3g}"
+
+    def _compare(self, subject: Backend, oracle: Backend, batch: Batch) -> torch.Tensor:
+        """Run both on copies of the same cache; compare the output and the whole cache."""
+        layout = batch.cache.layout
+        out, cache = batch.run(subject, _copy(batch.cache))
+        ref, ref_cache = self.reference_batch(batch).run(oracle)
+        self._assert_output(out, ref, layout)
+        _assert_same_cache(cache, ref_cache, batch.metadata, exact=not layout.is_quantized)
+        return out
+
+
+def _layers_for(layout: KVCacheLayout) -> list[LayerSpec]:
+    """The feature layers that fit ``layout``'s KV heads and head dims."""
+    dims = (layout.num_kv_heads, layout.head_dim, layout.v_dim)
+    layers = [LayerSpec(**f.layer) for f in FEATURES.values() if f.kv_dtype is None]
+    return [lay for lay in layers if (lay.num_kv_heads, lay.head_dim, lay.v_dim) == dims]
+
+
+def _base(subject: Backend) -> BackendBase:
+    if not isinstance(subject, BackendBase):
+        pytest.skip(f"{type(subject).__name__} is no BackendBase: it has no prepare / warmup")
+    return subject
+
+
+def _name(config: str | AttentionConfig) -> str:
+    return config if isinstance(config, str) else config.backend
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _packed(cache: KVCache) -> KVCache:
+    """An HND cache as vLLM stores it: one [N, Hkv, P, D + Dv] tensor, K and V its halves."""
+    d = cache.layout.head_dim
+    both = torch.cat([cache.k, cache.v], dim=-1)
+    return cache.layout.wrap(both[..., :d], both[..., d:])
+
+
+def _copy(cache: KVCache) -> KVCache:
+    """A copy that keeps the storage arrangement (a packed cache stays packed)."""
+    same = cache.k.untyped_storage().data_ptr() == cache.v.untyped_storage().data_ptr()
+    if same:
+        return _packed(cache)
+    return KVCache(cache.layout, cache.k.clone(), cache.v.clone())
+
+
+def _entries(x: torch.Tensor) -> torch.Tensor:
+    """(N, P, Hkv, D) as (N, P, bytes) on the CPU, to compare bits per slot."""
+    return x.contiguous().cpu().view(torch.uint8).reshape(x.shape[0], x.shape[1], -1)
+
+
+def _fp8_step(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) of one step of ``dtype``: its smallest subnormal, 2 ** -mantissa bits."""
+    return (2.0**-9, 2.0**-3) if dtype == _E4M3 else (2.0**-16, 2.0**-2)
+
+
+def _slots(meta: AttentionMetadata) -> Iterator[int]:
+    yield from (s for s in meta.slot_mapping[: meta.num_tokens].tolist() if s >= 0)
+
+
+def _assert_same_cache(
+    got: KVCache,
+    want: KVCache,
+    meta: AttentionMetadata,
+    *,
+    exact: bool,
+    what: str = "step",
+) -> None:
+    """Every slot as ``want`` has it: bit-exact, or for fp8 slots the step writes, within one
+    fp8 step (a kernel's division may round the other way). Names the first bad slot."""
+    p = got.layout.page_size
+    written = torch.zeros(got.num_pages * p, dtype=torch.bool)
+    written[list(_slots(meta))] = True
+    written = written.view(-1, p)
+    for name, g, w in (("K", got.k_nhd, want.k_nhd), ("V", got.v_nhd, want.v_nhd)):
+        bad = (_entries(g) != _entries(w)).any(dim=-1)
+        if not exact:
+            atol, rtol = _fp8_step(g.dtype)
+            gf, wf = g.float().cpu(), w.float().cpu()
+            near = ((gf - wf).abs() <= atol + rtol * wf.abs()).flatten(2).all(dim=-1)
+            bad &= ~(written & near)
+        if bool(bad.any()):
+            page, offset = (int(i) for i in torch.nonzero(bad)[0])
+            slot = page * p + offset
+            role = "a slot it writes" if bool(written[page, offset]) else "a slot it must not touch"
+            raise AssertionError(
+                f"{name} cache after the {what} differs from the reference's at {int(bad.sum())} "
+                f"slots; first: slot {slot} (page {page}, offset {offset}), {role}"
+            )

@@ -1,0 +1,162 @@
+"""``BackendBase``: what a backend author gets for free, and what the registry reads from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnsdk as A
+from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
+
+GQA = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+LAYOUT = A.KVCacheLayout(num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)
+
+
+class Dense(A.BackendBase):
+    """A whole backend: gather each sequence's keys from its pages, then plain softmax attention.
+    Causal only, no GQA extras beyond repeat_interleave: enough to exercise the base class."""
+
+    name = "dense"
+    capabilities = A.Capabilities(
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        kv_dtypes=frozenset(),
+        max_head_dim=64,
+        features=frozenset({A.Feature.GQA}),
+    )
+
+    def __init__(self, options: A.NoOptions | None = None) -> None:
+        super().__init__(options)
+        self.calls: list[str] = []
+
+    @classmethod
+    def extra_reasons(cls, layer, layout):  # type: ignore[no-untyped-def]
+        if layer is not None and layer.head_dim == 48:
+            return [A.Reason(A.ReasonKind.CONFIGURATION, "head_dim", "48 is unlucky")]
+        return []
+
+    def layer_state(self, layer: A.LayerSpec, layout: A.KVCacheLayout) -> float:
+        self.calls.append("layer_state")
+        return layer.softmax_scale
+
+    def make_plan(self, meta: A.AttentionMetadata) -> A.Plan:
+        self.calls.append("make_plan")
+        return super().make_plan(meta)
+
+    def attend(self, q, cache, plan, layer, state, *, sinks, k_scale, v_scale, out):  # type: ignore[no-untyped-def]
+        meta, p = plan.metadata, cache.layout.page_size
+        qsl, lens = meta.query_start_loc_cpu.tolist(), meta.seq_lens_cpu.tolist()
+        for b, length in enumerate(lens):
+            q0, q1 = qsl[b], qsl[b + 1]
+            pages = meta.page_table[b, : -(-length // p)].long()
+            k = cache.k_nhd[pages].flatten(0, 1)[:length].repeat_interleave(layer.group_size, 1)
+            v = cache.v_nhd[pages].flatten(0, 1)[:length].repeat_interleave(layer.group_size, 1)
+            s = torch.einsum("qhd,khd->hqk", q[q0:q1], k) * state
+            pos = torch.arange(length - (q1 - q0), length)[:, None]
+            s = s.masked_fill(torch.arange(length)[None, :] > pos, float("-inf"))
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        return out
+
+
+def test_a_small_subclass_is_a_whole_backend() -> None:
+    batch = make_batch(BatchSpec(query_lens=(1, 5, 3), seq_lens=(8, 5, 7)), GQA, LAYOUT, seed=1)
+    dense = Dense()
+    assert isinstance(dense, A.Backend)
+    out, cache = batch.run(dense)
+    expected, expected_cache = batch.run(ReferenceBackend())
+    assert_close_to_reference(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.k, expected_cache.k)
+    assert torch.equal(cache.v, expected_cache.v)
+    assert dense.calls == ["make_plan", "layer_state"]  # the layer is prepared at its first forward
+
+
+def test_reasons_join_capabilities_environment_and_the_hook() -> None:
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=4, head_dim=48, softcap=5.0)
+    fields = [r.field for r in Dense.reasons_for(layer, None, "cuda")]
+    assert fields == ["device", "head_dim", "softcap"]
+    assert Dense().unsupported_reasons(GQA, LAYOUT, "cpu") == []
+    # The registry asks the class, without creating it.
+    assert isinstance(Dense, A.BackendClass)
+    registration = A.register_backend("dense-test", Dense)
+    try:
+        explained = A.explain("dense-test", layer, device="cpu")["dense-test"]
+    finally:
+        registration.remove()
+    assert [r.field for r in explained] == ["head_dim", "softcap"]
+
+
+def test_forward_refuses_a_layer_it_cannot_serve_before_writing() -> None:
+    batch = make_batch(BatchSpec(query_lens=(2,), seq_lens=(5,)), GQA, LAYOUT, seed=2)
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=4)
+    before = batch.cache.k.clone()
+    plan = Dense().plan(batch.metadata)
+    with pytest.raises(A.UnsupportedConfigError, match="sliding_window"):
+        Dense().forward(batch.q, batch.k, batch.v, batch.cache, plan, layer)
+    assert torch.equal(batch.cache.k, before)
+
+
+def test_prepare_names_every_layer_it_cannot_serve() -> None:
+    bad = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, softcap=30.0)
+    worse = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=8)
+    dense = Dense()
+    with pytest.raises(A.UnsupportedConfigError) as info:
+        dense.prepare([GQA, bad, GQA, worse], LAYOUT)
+    assert [r.field for r in info.value.reasons] == [
+        "layers[1].softcap",
+        "layers[3].sliding_window",
+    ]
+    assert "layers[1].softcap" in str(info.value)
+
+
+def test_prepare_computes_each_shape_once_and_warmup_runs_them() -> None:
+    dense = Dense()
+    window = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.5)
+    dense.prepare([GQA, GQA, window, GQA], LAYOUT, "cpu")
+    assert dense.prepared == [(GQA, LAYOUT), (window, LAYOUT)]
+    assert dense.calls == ["layer_state", "layer_state"]
+    dense.warmup("cpu")
+    # Two steps per shape (prefills, then a mixed step); no shape is prepared again.
+    assert dense.calls.count("make_plan") == 4
+    assert dense.calls.count("layer_state") == 2
+
+
+def test_warmup_before_prepare_does_nothing() -> None:
+    dense = Dense()
+    dense.warmup("cpu")
+    assert dense.calls == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"layers": [GQA], "layout": "NHD"}, "layout"),
+        ({"layers": [GQA, "layer"], "layout": LAYOUT}, r"layers\[1\]"),
+    ],
+)
+def test_prepare_rejects_wrong_types(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(A.InvalidInputError, match=match):
+        Dense().prepare(**kwargs)  # type: ignore[arg-type]
+
+
+def test_options_of_another_backend_are_refused() -> None:
+    from attnsdk.backends.reference import ReferenceOptions
+
+    with pytest.raises(A.InvalidInputError, match="NoOptions"):
+        Dense(ReferenceOptions())  # type: ignore[arg-type]
+
+
+def test_a_subclass_must_name_itself_and_declare_capabilities() -> None:
+    with pytest.raises(TypeError, match="name, capabilities"):
+
+        class Nameless(A.BackendBase):
+            pass
+
+
+def test_a_backend_without_attend_says_so() -> None:
+    class Lazy(Dense):
+        attend = A.BackendBase.attend
+
+    batch = make_batch(BatchSpec(query_lens=(1,), seq_lens=(3,)), GQA, LAYOUT, seed=3)
+    with pytest.raises(NotImplementedError, match="Lazy must implement attend"):
+        batch.run(Lazy())
