@@ -18,7 +18,7 @@ from attnsdk._config import AttentionConfig, ConfigSource, config_in_effect
 from attnsdk._debug import debug_enabled
 from attnsdk._device import compute_capability, cuda_available, device_name
 from attnsdk._errors import AttnSDKError
-from attnsdk._registry import AUTO, explain
+from attnsdk._registry import AUTO, backend_names, explain
 from attnsdk.backends._fa3_kernels import PROVIDERS, find_provider, module_present
 
 if TYPE_CHECKING:
@@ -54,7 +54,9 @@ def info_report() -> dict[str, Any]:
         config_part["selected"] = selected(explain(config, device=device))
     except AttnSDKError as exc:  # a broken config is reported with everything else
         config, config_part = None, {"error": str(exc)}
-    every = explain(AUTO, device=device)
+    # Every registered backend, composites such as "routed" too (explain("auto") lists only
+    # what "auto" may pick).
+    every = {n: explain(n, device=device)[n] for n in backend_names()}
     return {
         "attnsdk": __version__,
         "python": platform.python_version(),

@@ -29,6 +29,8 @@ from attnsdk._errors import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
     from attnsdk._backend import Backend
@@ -56,6 +58,8 @@ class _Entry:
     """None (entry-point plugins): the factory's ``priority`` attribute, read on first use."""
     options: type[BaseModel] | str | None
     """None: the factory's ``Options`` attribute, else ``NoOptions``."""
+    auto: bool = True
+    """False for composites (``routed``): asked for by name, never picked by "auto"."""
 
     def factory(self) -> Any:
         return _resolve(self.target)
@@ -246,7 +250,11 @@ def canonical_name(name: str) -> str:
 
 
 def create_backend(
-    config: AttentionConfig | str | None = None, *, device: torch.device | str | None = None
+    config: AttentionConfig | str | None = None,
+    *,
+    device: torch.device | str | None = None,
+    layers: Iterable[LayerSpec] | None = None,
+    layout: KVCacheLayout | None = None,
 ) -> Backend:
     """Create a backend from a name, an ``AttentionConfig`` or (None) the environment.
 
@@ -256,6 +264,11 @@ def create_backend(
     ``"auto"`` creates the highest-priority backend that can run here and logs its choice once;
     an explicit backend that cannot run raises ``UnsupportedConfigError`` with every reason.
 
+    Given the model (``layers``, one ``LayerSpec`` per attention layer, and the cache
+    ``layout``), ``"auto"`` picks the highest-priority backend that serves every layer (a model
+    with softcap skips a backend without it), and the backend is ``prepare``-d for the model;
+    an explicit backend that cannot serve a layer raises with every reason, naming the layer.
+
     >>> create_backend("reference").name
     'reference'
     """
@@ -264,6 +277,7 @@ def create_backend(
 
     if device is not None:
         device = check_device("device", device)
+    model = _check_model(layers, layout)
     if config is None:
         config = AttentionConfig.from_env()
     elif isinstance(config, str):
@@ -275,12 +289,77 @@ def create_backend(
             "config", "a backend name, an AttentionConfig or None", repr(config)
         )
     if config.backend == AUTO:
-        backend = _create_auto(config, device)
+        backend = _create_auto(config, device, model)
     else:
         entry = lookup(config.backend)
         _check_can_run(entry, device)
         backend = _create(entry, config.options)
+    if model is not None:
+        prepare = getattr(backend, "prepare", None)
+        if prepare is not None:
+            prepare(model[0], model[1], device)
+        else:  # a plain Backend: its reasons, per layer
+            _check_serves(backend, model, device)
     return wrap_debug(backend) if debug_enabled(config) else backend
+
+
+def _check_model(
+    layers: Iterable[LayerSpec] | None, layout: KVCacheLayout | None
+) -> tuple[list[LayerSpec], KVCacheLayout] | None:
+    from attnsdk._kv import KVCacheLayout
+    from attnsdk._layer import LayerSpec
+
+    if layers is None and layout is None:
+        return None
+    if layers is None or layout is None:
+        given, missing = ("layers", "layout") if layout is None else ("layout", "layers")
+        raise InvalidInputError(missing, f"given together with {given}", None)
+    if not isinstance(layout, KVCacheLayout):
+        raise InvalidInputError("layout", "a KVCacheLayout", type(layout).__name__)
+    if isinstance(layers, LayerSpec):
+        layers = [layers]
+    listed = list(layers)
+    for i, layer in enumerate(listed):
+        if not isinstance(layer, LayerSpec):
+            raise InvalidInputError(f"layers[{i}]", "a LayerSpec", type(layer).__name__)
+    return listed, layout
+
+
+def _model_reasons(
+    entry: _Entry,
+    model: tuple[list[LayerSpec], KVCacheLayout],
+    device: torch.device | str | None,
+) -> list[Reason]:
+    """Why ``entry`` cannot serve the model: each distinct layer's reasons, naming the layer."""
+    layers, layout = model
+    found: list[Reason] = []
+    seen: dict[LayerSpec, int] = {}
+    for i, layer in enumerate(layers):
+        if layer in seen:
+            continue
+        seen[layer] = i
+        found += [
+            Reason(r.kind, f"layers[{i}].{r.field}", r.message)
+            for r in _reasons(entry, layer, layout, device)
+        ]
+    return sorted(set(found))
+
+
+def _check_serves(
+    backend: Backend,
+    model: tuple[list[LayerSpec], KVCacheLayout],
+    device: torch.device | str | None,
+) -> None:
+    layers, layout = model
+    found = [
+        Reason(r.kind, f"layers[{i}].{r.field}", r.message)
+        for i, layer in enumerate(layers)
+        for r in backend.unsupported_reasons(layer, layout, device)
+    ]
+    if found:
+        raise UnsupportedConfigError(
+            f"the {backend.name} backend cannot serve this model:", sorted(set(found))
+        )
 
 
 def _create(entry: _Entry, options: BaseModel) -> Backend:
@@ -341,10 +420,10 @@ def explain(
     name = canonical_name(config if isinstance(config, str) else config.backend)
     if name != AUTO:
         entries = [lookup(name)]
-    elif isinstance(config, AttentionConfig):
-        entries = _auto_entries(config)
     else:
-        entries = _entries()
+        entries = _auto_entries(
+            config if isinstance(config, AttentionConfig) else AttentionConfig()
+        )
     return {e.name: _reasons(e, layer, layout, device) for e in entries}
 
 
@@ -374,10 +453,16 @@ def _reasons(
     return backend.unsupported_reasons(layer, layout, device)
 
 
-def _create_auto(config: AttentionConfig, device: torch.device | str | None) -> Backend:
+def _create_auto(
+    config: AttentionConfig,
+    device: torch.device | str | None,
+    model: tuple[list[LayerSpec], KVCacheLayout] | None = None,
+) -> Backend:
     skipped: dict[str, list[Reason]] = {}
     for entry in _auto_entries(config):
         reasons = entry.environment_reasons(device)
+        if not reasons and model is not None:
+            reasons = _model_reasons(entry, model, device)
         if reasons:
             skipped[entry.name] = reasons
             continue
@@ -397,16 +482,20 @@ def _create_auto(config: AttentionConfig, device: torch.device | str | None) -> 
                 "attnsdk auto backend: %s%s", entry.name, f" (skipped {why})" if why else ""
             )
         return backend
-    flat = [r for rs in skipped.values() for r in rs]
+    flat = [Reason(r.kind, f"{n}.{r.field}", r.message) for n, rs in skipped.items() for r in rs]
+    what = "serve this model" if model is not None else "run here"
     raise UnsupportedConfigError(
-        "no attention backend can run here: " + ", ".join(f"{n}" for n in skipped), flat
+        f"no attention backend can {what}: " + ", ".join(f"{n}" for n in skipped), flat
     )
 
 
 def _auto_entries(config: AttentionConfig) -> list[_Entry]:
-    """The backends "auto" tries, in order: ``AutoOptions.candidates``, else all by priority."""
+    """The backends "auto" tries, in order: ``AutoOptions.candidates``, else all by priority
+    but composites (``routed``), which are asked for by name."""
     candidates = getattr(config.options, "candidates", None)
-    return [lookup(n) for n in candidates] if candidates else _entries()
+    if candidates:
+        return [lookup(n) for n in candidates]
+    return [e for e in _entries() if e.auto]
 
 
 def _entries() -> list[_Entry]:
@@ -428,7 +517,7 @@ def _resolve(target: Any) -> Any:
     return obj
 
 
-_BUILTINS = frozenset({"reference", "fa3"})
+_BUILTINS = frozenset({"reference", "fa3", "routed", "flashinfer", "flex"})
 
 
 def _register_builtins() -> None:
@@ -438,8 +527,26 @@ def _register_builtins() -> None:
         0,
         "attnsdk.backends.reference:ReferenceOptions",
     )
+    _REGISTRY["routed"] = _Entry(
+        "routed",
+        "attnsdk.backends.routed:RoutedBackend",
+        0,
+        "attnsdk.backends.routed:RoutedOptions",
+        auto=False,
+    )
     _REGISTRY["fa3"] = _Entry(
         "fa3", "attnsdk.backends.fa3:FA3Backend", 100, "attnsdk.backends.fa3:FA3Options"
+    )
+    _REGISTRY["flashinfer"] = _Entry(
+        "flashinfer",
+        "attnsdk.backends.flashinfer:FlashInferBackend",
+        90,
+        "attnsdk.backends.flashinfer:FlashInferOptions",
+    )
+    # Below the reference: without a GPU "auto" keeps the reference (DESIGN §4), which needs no
+    # compiler; flex is asked for by name or through AutoOptions.candidates / routed.
+    _REGISTRY["flex"] = _Entry(
+        "flex", "attnsdk.backends.flex:FlexBackend", -10, "attnsdk.backends.flex:FlexOptions"
     )
 
 

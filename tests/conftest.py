@@ -1,5 +1,6 @@
 """Hardware markers, skipped with what is missing: ``gpu`` needs a CUDA GPU, ``sm90`` a Hopper
-GPU, ``fa3`` the FlashAttention-3 kernels the fa3 backend calls.
+GPU, ``fa3`` the FlashAttention-3 kernels the fa3 backend calls, ``flashinfer`` FlashInfer on a
+GPU of compute capability 8.0 or newer.
 
 The CPU suite runs torch on one thread: its tensors are tiny, and on a loaded two-core machine
 OpenMP's spinning worker threads made it many times slower (test_random_batches: 143 s).
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from attnsdk.backends._fa3_kernels import INSTALL_COMMAND, PROVIDERS, find_provider
+from attnsdk.backends._gpu import module_present
 
 torch.set_num_threads(1)
 
@@ -41,8 +43,29 @@ def _skip_reason(item: pytest.Item) -> str | None:
     return None
 
 
+def _flashinfer_skip_reason(item: pytest.Item) -> str | None:
+    if not item.get_closest_marker("flashinfer"):
+        return None
+    capability, _ = _hardware()
+    needs = "a GPU of compute capability >= 8.0 with FlashInfer (pip install flashinfer-python)"
+    if capability is None:
+        return f"needs {needs}; no CUDA GPU is visible"
+    if capability < (8, 0):
+        return f"needs {needs}; found sm {capability[0]}{capability[1]}"
+    if not module_present("flashinfer"):
+        return f"needs {needs}; the flashinfer module is not installed"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "flashinfer: needs FlashInfer (flashinfer-python) on a GPU of compute capability >= 8.0",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        reason = _skip_reason(item)
+        reason = _skip_reason(item) or _flashinfer_skip_reason(item)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,764 @@
+"""``flashinfer``: FlashInfer paged attention (compute capability 8.0 and newer).
+
+Each step is planned once per kernel variant, never per layer: a *variant* is what a FlashInfer
+wrapper is planned for (heads, head dims, scale, mask, window, softcap, sinks, dtypes, page size
+and order), and ``make_plan`` plans one wrapper per variant of the prepared layers. A step whose
+rows all hold at most one query token runs the tensor-core decode wrapper
+(``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``); any other step (extend,
+prefill, mixed) runs the paged prefill wrapper with ``qo_indptr``. Layers with attention sinks
+run FlashInfer's sink wrappers (the plain wrappers ignore ``sinks=`` on their fa2/fa3 paths).
+
+FlashInfer reads pages in CSR form (``indptr``, ``indices``, ``last_page_len``). ``build_csr``
+derives it from the metadata's host twins; only ``indices`` needs the device page table, and it
+is gathered there with one ``index_select`` whose size is known on the host, so planning never
+syncs the device. The decode form has one CSR row per query token row, so zero-length rows drop
+out and the decode wrapper's row ``i`` is query row ``i``.
+
+fp8 KV (e4m3 / e5m2, bf16 or fp16 q): FlashInfer would take ``k_scale`` / ``v_scale`` as host
+floats (a device read per layer). Instead q is multiplied by ``k_scale`` before the kernel and
+the output by ``v_scale`` after it, on the device, which also serves per-KV-head scales.
+
+Importing this module imports no kernel library; ``FlashInferBackend(...)`` imports flashinfer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from attnsdk._backend import Plan
+from attnsdk._base import BackendBase
+from attnsdk._capabilities import (
+    Capabilities,
+    Feature,
+    GraphSupport,
+    Reason,
+    ReasonKind,
+    device_reasons,
+)
+from attnsdk._errors import BackendUnavailableError, InvalidInputError, InvalidMetadataError
+from attnsdk._graph import GraphBuffers
+from attnsdk._kv import KVOrder
+from attnsdk.backends._gpu import DeviceKVStore, module_present
+
+if TYPE_CHECKING:
+    from attnsdk._kv import KVCache, KVCacheLayout
+    from attnsdk._layer import LayerSpec
+    from attnsdk._metadata import AttentionMetadata
+
+__all__ = [
+    "INSTALL_COMMAND",
+    "FlashInferBackend",
+    "FlashInferOptions",
+    "FlashInferPlan",
+    "PagedCSR",
+    "build_csr",
+    "gather_indices",
+]
+
+INSTALL_COMMAND = "pip install flashinfer-python"
+"""What error messages name. From a checkout, ``pip install -e "/path/to/attnsdk[flashinfer]"``
+installs the same package (attnsdk itself is not on the package index)."""
+
+_CFG = ReasonKind.CONFIGURATION
+_FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+_CUDA_CORE_GROUPS = frozenset({1, 2, 3, 4, 6, 8, 16})
+"""Query heads per KV head that FlashInfer's CUDA-core decode kernel is compiled for."""
+_HEAD_DIMS = frozenset({64, 128, 256})
+"""Head dims FlashInfer's kernels dispatch, its split-KV merge included."""
+"""Head dims the CUDA-core decode kernel's thread layout is written for (tensor cores: any
+multiple of 16)."""
+
+Kind = Literal["decode", "prefill"]
+
+
+class FlashInferOptions(BaseModel):
+    """Options of the ``flashinfer`` backend."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decode: Literal["tensor_cores", "cuda_cores"] = "tensor_cores"
+    """Kernel of decode steps. Tensor cores read 98% of the H200's copy bandwidth at batch 64 x
+    4k, CUDA cores 66% (docs/backends.md); sink layers always use tensor cores."""
+    prefill_backend: Literal["fa2", "auto"] = "fa2"
+    """FlashInfer backend of the prefill wrapper. "auto" lets FlashInfer pick FA3 on Hopper for
+    long queries (its sm90 module takes minutes to compile); fp8-KV and sink layers stay on fa2,
+    whose kernels take a bf16 / fp16 query with an fp8 cache."""
+    workspace_mib: int = Field(default=128, ge=16, le=4096)
+    """Float workspace (split-KV partial results) per device, shared by every wrapper."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Variant:
+    """What one FlashInfer wrapper is planned for; the backend's per-layer state."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_dim: int
+    scale: float
+    causal: bool
+    window_left: int
+    softcap: float
+    sinks: bool
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    page_size: int
+    order: str
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in _FP8
+
+
+# -- CSR page format ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PagedCSR:
+    """FlashInfer's page format for R rows, on the host (shape legend: R rows, nnz pages).
+
+    Row r owns query rows ``qo_indptr[r]:qo_indptr[r+1]`` and pages
+    ``indices[kv_indptr[r]:kv_indptr[r+1]]``, the last one filled to ``last_page_len[r]``.
+    """
+
+    qo_indptr: torch.Tensor
+    """(R + 1,) int32, on the CPU."""
+    kv_indptr: torch.Tensor
+    """(R + 1,) int32, on the CPU."""
+    last_page_len: torch.Tensor
+    """(R,) int32, on the CPU: ``L - (pages - 1) * P``, 0 for an empty row."""
+    positions: torch.Tensor
+    """(nnz,) int64, on the CPU: where each page id sits in the flattened (B, W) page table."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.last_page_len.shape[0]
+
+    @property
+    def num_q_rows(self) -> int:
+        """Query rows the kernel reads: ``qo_indptr[-1]``."""
+        return int(self.qo_indptr[-1])
+
+
+def build_csr(
+    query_start_loc_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    page_size: int,
+    width: int,
+    *,
+    per_token: bool,
+    rows: int | None = None,
+) -> PagedCSR:
+    """The CSR form of a batch from its host twins (no device work).
+
+    ``per_token=False``: one row per sequence, ``qo_indptr = query_start_loc``.
+    ``per_token=True`` (decode steps, every query length <= 1): one row per query row, each
+    pointing at its sequence's pages; ``rows`` (>= ``query_start_loc[-1]``) pads the tail with
+    rows that own no query token and read one key on the page at flat position 0.
+    ``width`` is the page table's W. Raises ``InvalidMetadataError`` when a sequence needs more
+    than W pages.
+    """
+    qsl = query_start_loc_cpu.long()
+    seq = seq_lens_cpu.long()
+    b = seq.shape[0]
+    pages_of_seq = (seq + page_size - 1) // page_size
+    if b and int(pages_of_seq.max()) > width:
+        i = int(torch.argmax(pages_of_seq))
+        raise InvalidMetadataError(
+            "page_table",
+            f"at least {int(pages_of_seq[i])} columns for seq_lens[{i}]={int(seq[i])} "
+            f"at page_size {page_size}",
+            width,
+        )
+    if per_token:
+        owned = int(qsl[-1])
+        total = owned if rows is None else rows
+        if total < owned:
+            raise InvalidInputError("rows", f">= query_start_loc[-1]={owned}", total)
+        seq_of_row = torch.repeat_interleave(torch.arange(b), qsl[1:] - qsl[:-1])
+        lens = seq[seq_of_row]
+        pad = total - owned
+        if pad:
+            filler = 1 if width > 0 and b > 0 else 0
+            seq_of_row = torch.cat([seq_of_row, torch.zeros(pad, dtype=torch.long)])
+            lens = torch.cat([lens, torch.full((pad,), filler, dtype=torch.long)])
+        qo_indptr = torch.arange(total + 1, dtype=torch.int32)
+    else:
+        seq_of_row = torch.arange(b)
+        lens = seq
+        qo_indptr = qsl.to(torch.int32)
+    pages = (lens + page_size - 1) // page_size
+    r = pages.shape[0]
+    kv_indptr = torch.zeros(r + 1, dtype=torch.long)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    nnz = int(kv_indptr[-1])
+    row_of_page = torch.repeat_interleave(torch.arange(r), pages)
+    col = torch.arange(nnz) - kv_indptr[:-1][row_of_page]
+    positions = seq_of_row[row_of_page] * width + col
+    last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
+    return PagedCSR(
+        qo_indptr=qo_indptr,
+        kv_indptr=kv_indptr.to(torch.int32),
+        last_page_len=last.to(torch.int32),
+        positions=positions,
+    )
+
+
+def gather_indices(
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    staging: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CSR ``indices`` (nnz,) int32 on the page table's device, without a device sync.
+
+    ``positions`` (host, from ``build_csr``) go to the device with one asynchronous copy (into
+    ``staging`` when given, a static buffer of at least nnz entries), then one ``index_select``
+    reads the page ids (into ``out`` when given).
+    """
+    flat = page_table.reshape(-1)  # a view, or one device copy for a strided page table
+    nnz = positions.shape[0]
+    if staging is not None:
+        pos = staging[:nnz]
+        pos.copy_(positions, non_blocking=True)
+    else:
+        pos = positions.to(page_table.device, non_blocking=True)
+    if out is not None:
+        return torch.index_select(flat, 0, pos, out=out[:nnz])
+    return flat.index_select(0, pos)
+
+
+# -- plans and graph state ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _StepCSR:
+    """A CSR form of one step on the device, shared by every variant planned in it."""
+
+    host: PagedCSR
+    indices: torch.Tensor
+    """(nnz,) int32 on the device (a prefix of a static buffer in a captured plan)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlashInferPlan(Plan):
+    """``Plan`` plus what FlashInfer was planned with in this step.
+
+    ``wrappers`` maps each variant planned in this step to its planned wrapper; a layer whose
+    variant is missing (``forward`` before ``prepare``) is planned on its first use, which costs
+    one FlashInfer ``plan()`` (~390 µs of host time) in that step.
+    """
+
+    csr: dict[tuple[bool, int], _StepCSR] = field(default_factory=dict)
+    """(per_token, page_size) -> the step's CSR on the device."""
+    wrappers: dict[_Variant, tuple[Any, Kind]] = field(default_factory=dict)
+
+
+class FlashInferGraphState(GraphBuffers):
+    """``GraphBuffers`` plus FlashInfer's CUDA-graph wrappers and their fixed CSR buffers.
+
+    Wrappers of a captured graph have a fixed batch size, so there is one per (captured batch
+    size, token rows, kind, variant); each holds FlashInfer's 8 MiB integer workspace on the
+    device and 8 MiB of pinned host memory. All variants of one capture share the CSR buffers.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wrappers: dict[tuple[int, int, Kind, _Variant], Any] = {}
+        self.csr_buffers: dict[tuple[int, int, bool], dict[str, torch.Tensor]] = {}
+
+    def buffers(self, batch_size: int, tokens: int, per_token: bool) -> dict[str, torch.Tensor]:
+        """Fixed CSR buffers of one capture (allocated at its first plan)."""
+        key = (batch_size, tokens, per_token)
+        found = self.csr_buffers.get(key)
+        if found is None:
+            rows = tokens if per_token else batch_size
+            cap = rows * max(self.max_pages, 1)
+            dev = self.seq_lens.device
+            i32 = torch.int32
+            found = self.csr_buffers[key] = {
+                "qo_indptr": torch.zeros(rows + 1, dtype=i32, device=dev),
+                "kv_indptr": torch.zeros(rows + 1, dtype=i32, device=dev),
+                "indices": torch.zeros(cap, dtype=i32, device=dev),
+                "last_page_len": torch.zeros(rows, dtype=i32, device=dev),
+                "positions": torch.zeros(cap, dtype=torch.int64, device=dev),
+            }
+        return found
+
+
+# -- the backend --------------------------------------------------------------------------------
+
+
+class FlashInferBackend(BackendBase):
+    """FlashInfer's paged prefill and tensor-core decode wrappers. See the module docstring."""
+
+    name = "flashinfer"
+    priority = 90
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        kv_dtypes=_FP8,
+        max_head_dim=256,
+        head_dim_multiple=16,
+        orders=frozenset(KVOrder),
+        min_compute_capability=(8, 0),
+        features=frozenset(Feature),
+        graph_support=GraphSupport.ANY_BATCH,
+    )
+    Options = FlashInferOptions
+    plan_type = FlashInferPlan
+    options: FlashInferOptions
+
+    def __init__(self, options: FlashInferOptions | None = None) -> None:
+        super().__init__(options)
+        if not module_present("flashinfer"):
+            raise BackendUnavailableError(
+                "the flashinfer backend needs FlashInfer (the flashinfer module); it is not "
+                "installed.",
+                INSTALL_COMMAND,
+            )
+        self._fi: Any = importlib.import_module("flashinfer")
+        self._store = DeviceKVStore()
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
+        self._wrappers: dict[tuple[Kind, _Variant], Any] = {}
+        self._owner: dict[int, FlashInferPlan] = {}
+        self._planned_copy: dict[int, torch.cuda.Event] = {}
+        self.plan_calls = 0
+        """FlashInfer ``plan()`` calls so far (each ~390 µs of host time); tests and benchmarks
+        read it to check one call per variant per step."""
+
+    # -- what it can serve ------------------------------------------------------------------
+
+    @classmethod
+    def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
+        """Is FlashInfer installed, is there a CUDA device of sm 8.0 or newer? Imports nothing."""
+        reasons = device_reasons(cls.capabilities, device)
+        if not module_present("flashinfer"):
+            reasons.append(
+                Reason(
+                    ReasonKind.ENVIRONMENT,
+                    "install",
+                    f"needs FlashInfer (module flashinfer), found none: {INSTALL_COMMAND}",
+                )
+            )
+        return sorted(reasons)
+
+    @classmethod
+    def extra_reasons(cls, layer: LayerSpec | None, layout: KVCacheLayout | None) -> list[Reason]:
+        """What FlashInfer's kernels cannot express."""
+        reasons: list[Reason] = []
+        dims = {}
+        if layer is not None:
+            dims = {"head_dim": layer.head_dim, "v_head_dim": layer.v_dim}
+        if layout is not None:
+            dims = {"head_dim": layout.head_dim, "v_head_dim": layout.v_dim}
+        for name, d in dims.items():
+            if d not in _HEAD_DIMS:
+                # Measured on an H200: head_dim 80 compiles, then its split-KV merge kernel
+                # raises "Unsupported head_dim" and leaves the CUDA context unusable.
+                reasons.append(
+                    Reason(
+                        _CFG,
+                        name,
+                        f"must be one of {sorted(_HEAD_DIMS)} (FlashInfer's merge kernels), "
+                        f"found {d}",
+                    )
+                )
+        if layer is None:
+            return reasons
+        if not layer.causal and layer.sliding_window is not None:
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "sliding_window",
+                    "must be None when causal=False: FlashInfer's fa2 kernels have a left "
+                    "window only (window_left), not the symmetric non-causal window",
+                )
+            )
+        if layer.has_sinks and layer.has_softcap:
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "softcap",
+                    "must be None with has_sinks=True: FlashInfer's attention-sink variant "
+                    "applies no logits soft cap",
+                )
+            )
+        return reasons
+
+    def unsupported_reasons(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        reasons = self.reasons_for(layer, layout, device)
+        cuda_cores = (
+            layer is not None
+            and self.options.decode == "cuda_cores"
+            and not layer.has_sinks
+            and layer.head_dim == layer.v_dim  # else the prefill wrapper decodes it
+        )
+        if cuda_cores and layer is not None:
+            hint = "with decode='cuda_cores'; use decode='tensor_cores'"
+            if layer.group_size not in _CUDA_CORE_GROUPS:
+                reasons.append(
+                    Reason(
+                        _CFG,
+                        "num_heads",
+                        f"num_heads / num_kv_heads must be one of {sorted(_CUDA_CORE_GROUPS)} "
+                        f"{hint}, found {layer.group_size}",
+                    )
+                )
+        return sorted(reasons)
+
+    def layer_state(self, layer: LayerSpec, layout: KVCacheLayout) -> _Variant:
+        return _Variant(
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            v_dim=layer.v_dim,
+            scale=layer.softmax_scale,
+            causal=layer.causal,
+            window_left=layer.window_left,
+            softcap=float(layer.softcap or 0.0),
+            sinks=layer.has_sinks,
+            dtype=layout.dtype,
+            kv_dtype=layout.storage_dtype,
+            page_size=layout.page_size,
+            order=layout.kv_order.value,
+        )
+
+    def warmup(self, device: torch.device | str | None = None, num_pages: int = 8) -> None:
+        """``BackendBase.warmup`` (a prefill and a mixed step) plus one decode-only step per
+        prepared layer, so the decode wrapper's module is loaded or compiled too."""
+        super().warmup(device, num_pages)
+        from attnsdk._metadata import AttentionMetadata
+
+        for layer, layout in self.prepared:
+            dev = torch.device(device) if device is not None else torch.device("cuda")
+            cache = layout.allocate(2, device=dev)
+            meta = AttentionMetadata.from_seqlens([1], [1], [[1]], layout.page_size, device=dev)
+            q = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=layout.dtype, device=dev)
+            k = torch.zeros(1, layer.num_kv_heads, layer.head_dim, dtype=layout.dtype, device=dev)
+            v = torch.zeros(1, layer.num_kv_heads, layer.v_dim, dtype=layout.dtype, device=dev)
+            sinks = torch.zeros(layer.num_heads, device=dev) if layer.has_sinks else None
+            self.forward(q, k, v, cache, self.plan(meta), layer, sinks=sinks)
+        if self.prepared and torch.device(device or "cuda").type == "cuda":
+            torch.cuda.synchronize()
+
+    # -- per step ---------------------------------------------------------------------------
+
+    def make_plan(self, meta: AttentionMetadata) -> FlashInferPlan:
+        self._store.poll(meta.device)
+        plan = FlashInferPlan(meta)
+        for variant in self._variants(meta):
+            self._plan_variant(plan, variant)
+        return plan
+
+    def _variants(self, meta: AttentionMetadata) -> list[_Variant]:
+        """The variants of the layers seen so far (``prepare`` or ``forward``) that can run
+        with this step's page table: of its page size, when it records one, and of a page size
+        its width covers. Any other is planned (or refused) by the ``forward`` that needs it."""
+        found = dict.fromkeys(self._layer_states.values())
+        width, longest = meta.page_table.shape[1], meta.max_seq_len
+        return [
+            v
+            for v in found
+            if (meta.page_size is None or v.page_size == meta.page_size)
+            and width * v.page_size >= longest
+        ]
+
+    def graph_state(
+        self,
+        max_batch: int,
+        max_tokens: int,
+        max_pages: int,
+        *,
+        page_size: int,
+        device: torch.device | str,
+    ) -> FlashInferGraphState:
+        return FlashInferGraphState(
+            max_batch, max_tokens, max_pages, page_size=page_size, device=device
+        )
+
+    def plan_for_capture(
+        self,
+        state: GraphBuffers,
+        batch_size: int,
+        num_tokens: int,
+        *,
+        max_query_len: int | None = None,
+    ) -> FlashInferPlan:
+        """A captured plan with every prepared variant planned on CUDA-graph wrappers.
+
+        A capture whose rows hold one token each (``num_tokens == batch_size``) runs the decode
+        wrapper; any other runs the prefill wrapper. Call ``prepare`` first: a variant cannot be
+        planned during capture.
+        """
+        if not isinstance(state, FlashInferGraphState):
+            raise InvalidInputError(
+                "state", "the FlashInferGraphState of this backend's graph_state()", type(state)
+            )
+        meta = state.capture_metadata(batch_size, num_tokens, max_query_len=max_query_len)
+        plan = FlashInferPlan(meta, graph=state)
+        for variant in self._variants(meta):
+            self._plan_variant(plan, variant)
+        return plan
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        """Copy ``meta`` into the captured buffers, then re-plan each captured wrapper (one
+        FlashInfer ``plan()`` per variant, which writes into the wrapper's fixed buffers)."""
+        super().plan_for_replay(plan, meta)  # refuses any plan but a captured FlashInferPlan
+        captured = cast("FlashInferPlan", plan)
+        self._store.poll(meta.device)
+        captured.csr.clear()
+        for variant in list(captured.wrappers):
+            self._plan_variant(captured, variant)
+
+    def sync_check(self, device: torch.device) -> None:
+        """Raise now, with a device sync, what the KV store recorded (debug mode calls it)."""
+        self._store.check_now(device)
+
+    def _kind(self, plan: FlashInferPlan, variant: _Variant) -> Kind:
+        meta = plan.metadata
+        if variant.head_dim != variant.v_dim:
+            return "prefill"  # FlashInfer's decode wrappers need head_dim == v_head_dim
+        if plan.graph is not None:
+            return "decode" if meta.max_query_len <= 1 else "prefill"
+        q = meta.query_start_loc_cpu
+        return "decode" if q.shape[0] < 2 or int((q[1:] - q[:-1]).max()) <= 1 else "prefill"
+
+    def _csr(self, plan: FlashInferPlan, per_token: bool, page_size: int) -> _StepCSR:
+        found = plan.csr.get((per_token, page_size))
+        if found is not None:
+            return found
+        meta = plan.metadata
+        state = plan.graph
+        rows = meta.num_tokens if per_token and state is not None else None
+        host = build_csr(
+            meta.query_start_loc_cpu,
+            meta.seq_lens_cpu,
+            page_size,
+            meta.page_table.shape[1],
+            per_token=per_token,
+            rows=rows,
+        )
+        if isinstance(state, FlashInferGraphState):
+            bufs = state.buffers(meta.num_seqs, meta.num_tokens, per_token)
+            indices = gather_indices(
+                meta.page_table, host.positions, out=bufs["indices"], staging=bufs["positions"]
+            )
+        else:
+            indices = gather_indices(meta.page_table, host.positions)
+        found = plan.csr[(per_token, page_size)] = _StepCSR(host, indices)
+        return found
+
+    def _plan_variant(self, plan: FlashInferPlan, variant: _Variant) -> tuple[Any, Kind]:
+        """Plan (or re-plan) the wrapper of ``variant`` for this step: one FlashInfer plan()."""
+        meta = plan.metadata
+        kind = self._kind(plan, variant)
+        if meta.num_seqs == 0 or meta.num_tokens == 0:
+            plan.wrappers.pop(variant, None)
+            return None, kind
+        csr = self._csr(plan, kind == "decode", variant.page_size)
+        wrapper = self._wrapper(plan, kind, variant)
+        host, v = csr.host, variant
+        common: dict[str, Any] = {
+            "window_left": v.window_left,
+            "logits_soft_cap": v.softcap or None,
+            "sm_scale": v.scale,
+            "q_data_type": v.dtype,
+            "kv_data_type": v.kv_dtype,
+            "o_data_type": v.dtype,
+            "non_blocking": True,
+        }
+        self._wait_for_previous_plan(wrapper, meta.device)
+        if kind == "decode":
+            wrapper.plan(
+                host.kv_indptr, csr.indices, host.last_page_len,
+                v.num_heads, v.num_kv_heads, v.head_dim, v.page_size, **common,
+            )  # fmt: skip
+        else:
+            wrapper.plan(
+                host.qo_indptr, host.kv_indptr, csr.indices, host.last_page_len,
+                v.num_heads, v.num_kv_heads, v.head_dim, v.page_size,
+                head_dim_vo=v.v_dim, causal=v.causal, **common,
+            )  # fmt: skip
+        if meta.device.type == "cuda":
+            done = self._planned_copy.get(id(wrapper))
+            if done is None:
+                done = self._planned_copy[id(wrapper)] = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(meta.device))
+        self.plan_calls += 1
+        self._owner[id(wrapper)] = plan
+        plan.wrappers[variant] = (wrapper, kind)
+        return wrapper, kind
+
+    def _wait_for_previous_plan(self, wrapper: Any, device: torch.device) -> None:
+        """FlashInfer's plan() writes its schedule into the wrapper's pinned host buffer and
+        queues an asynchronous copy to the device without waiting for the previous one. Before
+        the buffer is rewritten, the previous copy must have run: a non-blocking event query,
+        which only waits (a sync) when the host is a whole step ahead of the device."""
+        done = self._planned_copy.get(id(wrapper))
+        if done is not None and device.type == "cuda" and not done.query():
+            done.synchronize()
+
+    def _workspace(self, device: torch.device) -> torch.Tensor:
+        ws = self._workspaces.get(device)
+        if ws is None:
+            size = self.options.workspace_mib * 1024 * 1024
+            ws = self._workspaces[device] = torch.zeros(size, dtype=torch.uint8, device=device)
+        return ws
+
+    def _wrapper(self, plan: FlashInferPlan, kind: Kind, v: _Variant) -> Any:
+        """The wrapper of (kind, variant): one per backend, or one per capture in a graph."""
+        meta = plan.metadata
+        state = plan.graph
+        if isinstance(state, FlashInferGraphState):
+            key = (meta.num_seqs, meta.num_tokens, kind, v)
+            found = state.wrappers.get(key)
+            if found is None:
+                bufs = state.buffers(meta.num_seqs, meta.num_tokens, kind == "decode")
+                found = state.wrappers[key] = self._new_wrapper(kind, v, meta, bufs)
+            return found
+        found = self._wrappers.get((kind, v))
+        if found is None:
+            found = self._wrappers[(kind, v)] = self._new_wrapper(kind, v, meta, None)
+        return found
+
+    def _new_wrapper(
+        self,
+        kind: Kind,
+        v: _Variant,
+        meta: AttentionMetadata,
+        bufs: dict[str, torch.Tensor] | None,
+    ) -> Any:
+        fi = self._fi
+        ws = self._workspace(meta.device)
+        fa2_only = v.sinks or v.quantized
+        backend = "fa2" if fa2_only else self.options.prefill_backend
+        sink_kw = {
+            "q_data_type": v.dtype,
+            "kv_data_type": v.kv_dtype,
+            "head_dim_qk": v.head_dim,
+            "head_dim_vo": v.v_dim,
+            "window_left": v.window_left,
+        }
+        if kind == "decode":
+            graph_kw: dict[str, Any] = {}
+            if bufs is not None:
+                graph_kw = {
+                    "use_cuda_graph": True,
+                    "paged_kv_indptr_buffer": bufs["kv_indptr"],
+                    "paged_kv_indices_buffer": bufs["indices"],
+                    "paged_kv_last_page_len_buffer": bufs["last_page_len"],
+                }
+            if v.sinks:
+                return fi.BatchDecodeWithAttentionSinkWrapper(
+                    ws, v.order, backend="fa2", **sink_kw, **graph_kw
+                )
+            return fi.BatchDecodeWithPagedKVCacheWrapper(
+                ws,
+                v.order,
+                use_tensor_cores=self.options.decode == "tensor_cores",
+                backend="fa2",
+                **graph_kw,
+            )
+        graph_kw = {}
+        if bufs is not None:
+            graph_kw = {
+                "use_cuda_graph": True,
+                "qo_indptr_buf": bufs["qo_indptr"],
+                "paged_kv_indptr_buf": bufs["kv_indptr"],
+                "paged_kv_indices_buf": bufs["indices"],
+                "paged_kv_last_page_len_buf": bufs["last_page_len"],
+            }
+        if v.sinks:
+            return fi.BatchAttentionWithAttentionSinkWrapper(
+                ws, v.order, backend="fa2", **sink_kw, **graph_kw
+            )
+        if bufs is not None:
+            graph_kw["max_total_num_rows"] = meta.num_tokens
+        return fi.BatchPrefillWithPagedKVCacheWrapper(ws, v.order, backend=backend, **graph_kw)
+
+    # -- per layer --------------------------------------------------------------------------
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        plan: Plan,
+        state: _Variant,
+        *,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> None:
+        self._store(k, v, cache, plan.metadata, k_scale=k_scale, v_scale=v_scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        state: _Variant,
+        *,
+        sinks: torch.Tensor | None,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        if not isinstance(plan, FlashInferPlan):
+            raise InvalidInputError(
+                "plan", "a FlashInferPlan from this backend's plan()", type(plan).__name__
+            )
+        meta = plan.metadata
+        if meta.num_seqs == 0 or meta.num_tokens == 0:
+            return out
+        variant = state
+        planned = plan.wrappers.get(variant)
+        if planned is None or self._owner.get(id(planned[0])) is not plan:
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise InvalidInputError(
+                    "layer",
+                    "a layer shape planned before capture",
+                    f"{layer} (not in backend.prepared when plan_for_capture ran)",
+                    "Call backend.prepare(layers, layout) before plan_for_capture",
+                )
+            planned = self._plan_variant(plan, variant)
+        wrapper, kind = planned
+        csr = plan.csr[(kind == "decode", variant.page_size)].host
+        rows = csr.num_q_rows if kind == "prefill" else csr.num_rows
+        q = q[:rows]
+        if q.stride(-1) != 1 or not q.is_contiguous():
+            q = q.contiguous()
+        dest = out[:rows]
+        o = dest if dest.is_contiguous() else torch.empty_like(dest)
+        if variant.quantized and k_scale is not None:
+            q = _per_kv_head(q, k_scale, variant.num_kv_heads).to(q.dtype)
+        kv = (cache.k, cache.v)
+        if variant.sinks:
+            wrapper.run(q, kv, sinks, variant.scale, out=o)
+        else:
+            wrapper.run(q, kv, out=o)
+        if variant.quantized and v_scale is not None:
+            o.copy_(_per_kv_head(o, v_scale, variant.num_kv_heads))
+        if o is not dest:
+            dest.copy_(o)
+        return out
+
+
+def _per_kv_head(x: torch.Tensor, scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """x (T, Hq, D) times a (), (1,) or (Hkv,) scale, in fp32 (query head h uses KV head
+    h // (Hq / Hkv))."""
+    t, hq, d = x.shape
+    s = scale.reshape(1, -1, 1, 1)
+    return (x.float().view(t, num_kv_heads, hq // num_kv_heads, d) * s).view(t, hq, d)

@@ -1,0 +1,314 @@
+"""``routed``: each kind of step on the backend that is fastest for it.
+
+No one kernel wins everywhere. On an H200 (docs/benchmarks.md, bs 64 x 4k, Llama-3-8B
+attention) FlashInfer's tensor-core decode reads the cache at 98.3 % of the copy ceiling and
+FA3 at 93.0 %, while FA3's causal prefill is the fastest prefill measured. ``routed`` holds one
+backend per step kind and sends each step to its own:
+
+- ``decode``: every sequence has at most one new token;
+- ``prefill``: every sequence is new (no cached context);
+- ``mixed``: anything else (extend, chunked prefill, speculative verify, decode + prefill).
+
+Each route is a list of candidates; the first that can run here and serves every layer the
+model declares (``prepare``) is taken, so a model with softcap on an FA3 build without it goes
+to the next candidate rather than failing. ``explain()`` and ``routes`` say which one each
+kind got and why the ones before it were passed over. The backends share the cache: all of them
+read and write the same paged K/V, so steps of different kinds interleave freely.
+
+CUDA graphs: captured steps run on the ``decode`` route's backend (engines capture decode and
+uniform verify batches); its ``graph_support`` is the routed backend's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from attnsdk._backend import Backend, Plan
+from attnsdk._capabilities import Capabilities, Reason, ReasonKind
+from attnsdk._errors import InvalidInputError, UnsupportedConfigError
+from attnsdk._validate import check_metadata
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from attnsdk._graph import GraphBuffers
+    from attnsdk._kv import KVCache, KVCacheLayout
+    from attnsdk._layer import LayerSpec
+    from attnsdk._metadata import AttentionMetadata
+
+__all__ = ["KINDS", "RoutedBackend", "RoutedOptions", "RoutedPlan", "step_kind"]
+
+KINDS = ("decode", "prefill", "mixed")
+"""Step kinds, in the order ``routes`` lists them."""
+
+
+class RoutedOptions(BaseModel):
+    """Candidates per step kind, tried in order (a name or a list of names)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decode: tuple[str, ...] = ("flashinfer", "fa3", "flex", "reference")
+    """FlashInfer's tensor-core decode is the fastest decode measured on an H200."""
+    prefill: tuple[str, ...] = ("fa3", "flashinfer", "flex", "reference")
+    """FA3's causal prefill is the fastest prefill measured on an H200."""
+    mixed: tuple[str, ...] = ("fa3", "flashinfer", "flex", "reference")
+    """FA3 serves any mix in one varlen launch."""
+
+    @field_validator("decode", "prefill", "mixed", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("decode", "prefill", "mixed")
+    @classmethod
+    def _known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from attnsdk._registry import canonical_name
+
+        if not value:
+            raise ValueError("needs at least one backend name")
+        names = tuple(canonical_name(n) for n in value)
+        if "routed" in names or "auto" in names:
+            raise ValueError("a route names real backends, not 'auto' or 'routed'")
+        return names
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedPlan(Plan):
+    """The plan of the backend this step's kind is routed to."""
+
+    kind: str = "mixed"
+    backend: Backend | None = None
+    inner: Plan | None = None
+
+
+def step_kind(meta: AttentionMetadata) -> str:
+    """ "decode", "prefill" or "mixed", from the host twins (no device sync)."""
+    if meta.max_query_len <= 1:
+        return "decode"
+    qsl = meta.query_start_loc_cpu
+    if torch.equal(qsl[1:] - qsl[:-1], meta.seq_lens_cpu):
+        return "prefill"
+    return "mixed"
+
+
+class RoutedBackend:
+    """One backend per step kind; see the module docstring."""
+
+    name: ClassVar[str] = "routed"
+    priority: ClassVar[int] = 0
+    """Unused: ``auto`` never picks a composite; it is asked for by name."""
+    Options: ClassVar[type[BaseModel]] = RoutedOptions
+    capabilities: Capabilities
+    """The decode route's capabilities (graph support included)."""
+
+    def __init__(self, options: RoutedOptions | None = None) -> None:
+        if options is not None and not isinstance(options, RoutedOptions):
+            raise InvalidInputError("options", "None or a RoutedOptions", type(options).__name__)
+        self.options = options or RoutedOptions()
+        self._backends: dict[str, Backend] = {}
+        self._passed_over: dict[str, dict[str, list[Reason]]] = {k: {} for k in KINDS}
+        self.routes: dict[str, str] = {}
+        """Step kind -> the backend name it runs on."""
+        self._choose(layers=(), layout=None, device=None)
+
+    # -- class side (the registry asks before creating one) -------------------------------
+
+    @classmethod
+    def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
+        """Every route needs one candidate that can run here."""
+        return [r for r in cls.reasons_for(None, None, device) if r.kind is ReasonKind.ENVIRONMENT]
+
+    @classmethod
+    def reasons_for(
+        cls,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        """Empty when every route has a candidate serving the request; else, per route with
+        none, every candidate's reasons (field ``<kind>.<backend>.<field>``)."""
+        return _route_reasons(RoutedOptions(), [layer] if layer else [], layout, device)[1]
+
+    def unsupported_reasons(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        return _route_reasons(self.options, [layer] if layer else [], layout, device)[1]
+
+    # -- once per model -------------------------------------------------------------------
+
+    def prepare(
+        self,
+        layers: Iterable[LayerSpec],
+        layout: KVCacheLayout,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Route each kind to its first candidate serving every layer, then prepare it."""
+        layers = list(layers)
+        self._choose(layers, layout, device)
+        for backend in {id(b): b for b in self._backends.values()}.values():
+            prepare = getattr(backend, "prepare", None)
+            if prepare is not None:
+                prepare(layers, layout, device)
+
+    def warmup(self, device: torch.device | str | None = None) -> None:
+        for backend in {id(b): b for b in self._backends.values()}.values():
+            warmup = getattr(backend, "warmup", None)
+            if warmup is not None:
+                warmup(device)
+
+    def explain(self) -> dict[str, dict[str, object]]:
+        """Per step kind: the backend it runs on and why each earlier candidate was passed over."""
+        return {
+            kind: {
+                "backend": self.routes[kind],
+                "passed_over": {
+                    n: [str(r) for r in rs] for n, rs in self._passed_over[kind].items()
+                },
+            }
+            for kind in KINDS
+        }
+
+    # -- per step and per layer -------------------------------------------------------------
+
+    def plan(self, meta: AttentionMetadata) -> RoutedPlan:
+        check_metadata(meta)
+        kind = step_kind(meta)
+        backend = self._backends[kind]
+        return RoutedPlan(meta, kind=kind, backend=backend, inner=backend.plan(meta))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
+            found = type(plan).__name__
+            raise InvalidInputError("plan", "a RoutedPlan from this backend's plan()", found)
+        return plan.backend.forward(
+            q,
+            k,
+            v,
+            cache,
+            plan.inner,
+            layer,
+            sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            out=out,
+        )
+
+    # -- CUDA graphs: the decode route's backend ------------------------------------------
+
+    def graph_state(
+        self,
+        max_batch: int,
+        max_tokens: int,
+        max_pages: int,
+        *,
+        page_size: int,
+        device: torch.device | str,
+    ) -> GraphBuffers:
+        return self._backends["decode"].graph_state(
+            max_batch, max_tokens, max_pages, page_size=page_size, device=device
+        )
+
+    def plan_for_capture(
+        self,
+        state: GraphBuffers,
+        batch_size: int,
+        num_tokens: int,
+        *,
+        max_query_len: int | None = None,
+    ) -> Plan:
+        backend = self._backends["decode"]
+        inner = backend.plan_for_capture(state, batch_size, num_tokens, max_query_len=max_query_len)
+        return RoutedPlan(inner.metadata, inner.graph, kind="decode", backend=backend, inner=inner)
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
+            raise InvalidInputError(
+                "plan", "a RoutedPlan made by plan_for_capture", type(plan).__name__
+            )
+        plan.backend.plan_for_replay(plan.inner, meta)
+
+    # -- choosing ---------------------------------------------------------------------------
+
+    def _choose(
+        self,
+        layers: list[LayerSpec] | tuple[()],
+        layout: KVCacheLayout | None,
+        device: torch.device | str | None,
+    ) -> None:
+        chosen, reasons, passed = _route_reasons(self.options, list(layers), layout, device)
+        if reasons:
+            raise UnsupportedConfigError(
+                "the routed backend has no backend for every step kind:", reasons
+            )
+        from attnsdk._registry import create_backend
+
+        created = {id(b): b for b in self._backends.values()}
+        by_name = {b.name: b for b in created.values()}
+        for kind in KINDS:
+            name = chosen[kind]
+            if name not in by_name:
+                by_name[name] = create_backend(name, device=device)
+            self._backends[kind] = by_name[name]
+        self.routes = dict(chosen)
+        self._passed_over = passed
+        # Graphs run on the decode route: its capabilities (graph support too) are ours.
+        self.capabilities = self._backends["decode"].capabilities
+
+
+def _route_reasons(
+    options: RoutedOptions,
+    layers: list[LayerSpec],
+    layout: KVCacheLayout | None,
+    device: torch.device | str | None,
+) -> tuple[dict[str, str], list[Reason], dict[str, dict[str, list[Reason]]]]:
+    """Per kind: the first candidate that serves every layer, the reasons of kinds with none,
+    and the reasons each earlier candidate was passed over."""
+    from attnsdk._registry import backend_names, explain
+
+    known = set(backend_names())
+    chosen: dict[str, str] = {}
+    failed: list[Reason] = []
+    passed: dict[str, dict[str, list[Reason]]] = {}
+    cache: dict[str, list[Reason]] = {}
+    for kind in KINDS:
+        passed[kind] = {}
+        for name in getattr(options, kind):
+            if name not in cache:
+                found: set[Reason] = set()
+                if name not in known:  # a default candidate this installation lacks
+                    found.add(Reason(ReasonKind.ENVIRONMENT, "backend", "is not registered"))
+                asks: list[LayerSpec | None] = list(layers) or [None]
+                for layer in asks if not found else []:
+                    found.update(explain(name, layer, layout, device)[name])
+                cache[name] = sorted(found)
+            if not cache[name]:
+                chosen[kind] = name
+                break
+            passed[kind][name] = cache[name]
+        else:
+            failed += [
+                Reason(r.kind, f"{kind}.{name}.{r.field}", r.message)
+                for name, rs in passed[kind].items()
+                for r in rs
+            ]
+    return chosen, sorted(failed), passed

@@ -1,0 +1,616 @@
+"""What the flashinfer backend promises without a GPU: registration, reasons, options, the CSR
+page format, and its planning logic run end to end against a fake ``flashinfer`` module.
+
+The fake wrappers implement the FlashInfer contract the backend relies on (CSR rows, host
+``indptr`` / ``last_page_len``, bottom-right causal mask, ``window_left``, soft cap, sinks
+through the sink wrappers only, fixed buffers in CUDA-graph mode) in plain PyTorch, so the
+backend's CSR building, variant planning, fp8 scaling and graph re-planning are checked against
+the reference backend here; tests/gpu/test_flashinfer.py checks the real kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import attnsdk as A
+import attnsdk._capabilities as caps_module
+from attnsdk._base import BackendBase
+from attnsdk.backends import flashinfer as fi_module
+from attnsdk.backends.flashinfer import (
+    FlashInferBackend,
+    FlashInferOptions,
+    PagedCSR,
+    build_csr,
+    gather_indices,
+)
+from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
+
+LAYER = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
+LAYOUT = A.KVCacheLayout(2, 64, 16)
+KERNEL_MODULES = ("flashinfer", "triton", "tvm_ffi")
+
+
+# -- registration, reasons, options ---------------------------------------------------------
+
+
+def test_registered_below_fa3_and_above_reference() -> None:
+    names = A.backend_names()
+    assert "flashinfer" in names
+    assert FlashInferBackend.priority == 90
+    assert FlashInferBackend.name == "flashinfer"
+
+
+def test_importing_the_backend_imports_no_kernel_library() -> None:
+    code = (
+        "import sys, torch; before = set(sys.modules); "
+        "import attnsdk, attnsdk.backends.flashinfer as f; "
+        "f.FlashInferBackend.environment_reasons('cuda'); "
+        f"print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in {KERNEL_MODULES!r}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "[]"
+
+
+def test_environment_reasons_name_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: None)
+    monkeypatch.setattr(fi_module, "module_present", lambda name: False)
+    reasons = FlashInferBackend.environment_reasons()
+    assert all(r.kind is A.ReasonKind.ENVIRONMENT for r in reasons)
+    by_field = {r.field: r.message for r in reasons}
+    assert "needs a CUDA GPU" in by_field["device"]
+    assert "pip install flashinfer-python" in by_field["install"]
+    cpu = FlashInferBackend.environment_reasons("cpu")
+    assert any("must be one of ['cuda'], found 'cpu'" in r.message for r in cpu)
+
+
+def test_environment_reasons_by_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fi_module, "module_present", lambda name: True)
+    monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: (7, 5))
+    reasons = FlashInferBackend.environment_reasons("cuda")
+    assert [r.field for r in reasons] == ["compute_capability"]
+    assert "must be >= 8.0, found 7.5" in reasons[0].message
+    for cc in ((8, 0), (9, 0), (10, 0), (12, 0)):
+        monkeypatch.setattr(caps_module, "compute_capability", lambda device=None, cc=cc: cc)
+        assert FlashInferBackend.reasons_for(LAYER, LAYOUT, "cuda") == []
+
+
+def test_create_without_the_library_names_the_install_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fi_module, "module_present", lambda name: False)
+    with pytest.raises(A.BackendUnavailableError) as info:
+        FlashInferBackend()
+    assert info.value.install_command == "pip install flashinfer-python"
+    assert isinstance(info.value, ImportError)
+
+
+def test_auto_does_not_pick_flashinfer_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: None)
+    assert A.create_backend("auto").name != "flashinfer"
+    with pytest.raises(A.UnsupportedConfigError) as info:
+        A.create_backend("flashinfer")
+    assert "device" in {r.field for r in info.value.reasons}
+
+
+@pytest.mark.parametrize(
+    ("layer", "layout", "field"),
+    [
+        (A.LayerSpec(8, 2, 64, causal=False, sliding_window=8), LAYOUT, "sliding_window"),
+        (A.LayerSpec(8, 2, 64, has_sinks=True, softcap=30.0), LAYOUT, "softcap"),
+        (A.LayerSpec(8, 2, 72), A.KVCacheLayout(2, 72, 16), "head_dim"),
+        (A.LayerSpec(8, 2, 512), A.KVCacheLayout(2, 512, 16), "head_dim"),
+        (A.LayerSpec(8, 2, 80), A.KVCacheLayout(2, 80, 16), "head_dim"),
+        (
+            A.LayerSpec(8, 1, 192, v_head_dim=128),
+            A.KVCacheLayout(1, 192, 16, v_head_dim=128),
+            "head_dim",
+        ),
+        (LAYER, A.KVCacheLayout(2, 64, 16, dtype=torch.float32), "dtype"),
+    ],
+)
+def test_configuration_reasons(
+    monkeypatch: pytest.MonkeyPatch, layer: A.LayerSpec, layout: A.KVCacheLayout, field: str
+) -> None:
+    monkeypatch.setattr(fi_module, "module_present", lambda name: True)
+    monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: (9, 0))
+    reasons = FlashInferBackend.reasons_for(layer, layout, "cuda")
+    assert field in {r.field for r in reasons}, reasons
+    assert all(r.kind is A.ReasonKind.CONFIGURATION for r in reasons)
+
+
+@pytest.mark.parametrize(
+    ("layer", "layout"),
+    [
+        (A.LayerSpec(8, 2, 128, sliding_window=4096, softcap=50.0), A.KVCacheLayout(2, 128, 1)),
+        (A.LayerSpec(8, 8, 64, causal=False), A.KVCacheLayout(8, 64, 64, order="HND")),
+        (A.LayerSpec(8, 2, 64, has_sinks=True, sliding_window=128), LAYOUT),
+        (LAYER, A.KVCacheLayout(2, 64, 16, kv_dtype=torch.float8_e4m3fn)),
+        (LAYER, A.KVCacheLayout(2, 64, 16, dtype=torch.float16, kv_dtype=torch.float8_e5m2)),
+        (A.LayerSpec(8, 1, 128, v_head_dim=64), A.KVCacheLayout(1, 128, 16, v_head_dim=64)),
+    ],
+)
+def test_served_configurations(
+    monkeypatch: pytest.MonkeyPatch, layer: A.LayerSpec, layout: A.KVCacheLayout
+) -> None:
+    monkeypatch.setattr(fi_module, "module_present", lambda name: True)
+    monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: (9, 0))
+    assert FlashInferBackend.reasons_for(layer, layout, "cuda") == []
+
+
+def test_options_validation() -> None:
+    assert FlashInferOptions().decode == "tensor_cores"
+    assert FlashInferOptions().prefill_backend == "fa2"
+    for bad in ({"decode": "xqa"}, {"workspace_mib": 1}, {"prefill_backend": "fa3"}, {"x": 1}):
+        with pytest.raises(ValidationError):
+            FlashInferOptions(**bad)
+    config = A.AttentionConfig(backend="flashinfer", decode="cuda_cores", workspace_mib=256)
+    assert config.options == FlashInferOptions(decode="cuda_cores", workspace_mib=256)
+    with pytest.raises(A.InvalidInputError):
+        A.AttentionConfig(backend="flashinfer", decode="fast")
+
+
+# -- the CSR page format --------------------------------------------------------------------
+
+
+def naive_csr(
+    q_lens: list[int], s_lens: list[int], p: int, w: int, per_token: bool, rows: int | None
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(qo_indptr, kv_indptr, last_page_len, positions) the slow, obvious way."""
+    if per_token:
+        owners = [b for b, q in enumerate(q_lens) for _ in range(q)]
+        lens = [s_lens[b] for b in owners]
+        extra = (rows or len(owners)) - len(owners)
+        owners += [0] * extra
+        lens += [1] * extra
+        qo = list(range(len(owners) + 1))
+    else:
+        owners, lens = list(range(len(s_lens))), list(s_lens)
+        qo = [0]
+        for q in q_lens:
+            qo.append(qo[-1] + q)
+    kv, last, pos = [0], [], []
+    for owner, n in zip(owners, lens):
+        pages = -(-n // p)
+        kv.append(kv[-1] + pages)
+        last.append(n - (pages - 1) * p if pages else 0)
+        pos += [owner * w + i for i in range(pages)]
+    return qo, kv, last, pos
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_build_csr_matches_a_naive_version(per_token: bool) -> None:
+    r = random.Random(7)
+    for _ in range(200):
+        p = r.choice([1, 2, 16, 64])
+        b = r.randint(1, 7)
+        if per_token:
+            q_lens = [r.randint(0, 1) for _ in range(b)]
+        else:
+            q_lens = [r.randint(0, 9) for _ in range(b)]
+        s_lens = [q + r.randint(0, 3 * p + 1) for q in q_lens]
+        w = max(-(-s // p) for s in s_lens) + r.randint(0, 2)
+        rows = sum(q_lens) + r.randint(0, 3) if per_token and r.random() < 0.5 else None
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        csr = build_csr(
+            qsl, torch.tensor(s_lens, dtype=torch.int32), p, w, per_token=per_token, rows=rows
+        )
+        qo, kv, last, pos = naive_csr(q_lens, s_lens, p, w, per_token, rows)
+        assert csr.qo_indptr.tolist() == qo
+        assert csr.kv_indptr.tolist() == kv
+        assert csr.last_page_len.tolist() == last
+        assert csr.positions.tolist() == pos
+        for t in (csr.qo_indptr, csr.kv_indptr, csr.last_page_len):
+            assert t.dtype == torch.int32
+            assert t.device.type == "cpu"
+
+
+def test_gather_indices_reads_the_page_table() -> None:
+    table = torch.tensor([[5, 6, 7], [8, 0, 0], [9, 10, 0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    csr = build_csr(qsl, torch.tensor([40, 3, 17], dtype=torch.int32), 16, 3, per_token=False)
+    assert gather_indices(table, csr.positions).tolist() == [5, 6, 7, 8, 9, 10]
+    out = torch.full((9,), -1, dtype=torch.int32)
+    staging = torch.zeros(9, dtype=torch.int64)
+    got = gather_indices(table.t().contiguous().t(), csr.positions, out=out, staging=staging)
+    assert got.tolist() == [5, 6, 7, 8, 9, 10]
+    assert out[:6].tolist() == [5, 6, 7, 8, 9, 10]
+    assert got.data_ptr() == out.data_ptr()
+
+
+def test_build_csr_refuses_a_narrow_page_table() -> None:
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(A.InvalidMetadataError, match="page_table"):
+        build_csr(qsl, torch.tensor([33], dtype=torch.int32), 16, 2, per_token=True)
+
+
+# -- a fake flashinfer module ---------------------------------------------------------------
+
+
+class _Calls:
+    plans: list[tuple[str, int]] = []  # noqa: RUF012 (test bookkeeping)
+
+
+def _attend_csr(
+    w: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sinks: Any, scale: Any
+) -> torch.Tensor:
+    """Attention over the CSR the wrapper holds (in its fixed buffers in graph mode)."""
+    qo = w.qo.tolist()
+    kv = w.kv_indptr.tolist()
+    last = w.last.tolist()
+    indices = w.indices
+    if w.layout == "HND":
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    p = k_cache.shape[1]
+    hq, hkv = w.heads
+    sm = w.sm_scale if scale is None else scale
+    out = torch.zeros(q.shape[0], hq, v_cache.shape[-1])
+    for r in range(len(last)):
+        pages = kv[r + 1] - kv[r]
+        n = (pages - 1) * p + last[r] if pages else 0
+        rows = q[qo[r] : qo[r + 1]].float()
+        if not rows.shape[0]:
+            continue
+        idx = indices[kv[r] : kv[r + 1]].long()
+        k = k_cache[idx].reshape(-1, hkv, k_cache.shape[-1])[:n].float()
+        v = v_cache[idx].reshape(-1, hkv, v_cache.shape[-1])[:n].float()
+        k = k.repeat_interleave(hq // hkv, 1)
+        v = v.repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("qhd,khd->hqk", rows, k) * sm
+        if w.softcap:
+            s = w.softcap * torch.tanh(s / w.softcap)
+        pos = n - rows.shape[0] + torch.arange(rows.shape[0])[:, None]
+        j = torch.arange(n)[None, :]
+        keep = torch.ones_like(pos - j, dtype=torch.bool)
+        if w.causal:
+            keep &= j <= pos
+        if w.window_left >= 0:
+            keep &= j >= pos - w.window_left
+        s = s.masked_fill(~keep, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.float()[:, None, None].expand(hq, s.shape[1], 1)], -1)
+            v = torch.cat([v, torch.zeros(1, hq, v.shape[-1])])
+        out[qo[r] : qo[r + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+    return out
+
+
+class _FakeWrapper:
+    decode = False
+    sinks = False
+
+    def __init__(self, ws: torch.Tensor, kv_layout: str = "NHD", **kw: Any) -> None:
+        assert ws.dtype == torch.uint8
+        self.layout = kv_layout
+        self.graph = kw.get("use_cuda_graph", False)
+        self.bufs = {
+            "qo": kw.get("qo_indptr_buf"),
+            "kv_indptr": kw.get("paged_kv_indptr_buf", kw.get("paged_kv_indptr_buffer")),
+            "indices": kw.get("paged_kv_indices_buf", kw.get("paged_kv_indices_buffer")),
+            "last": kw.get("paged_kv_last_page_len_buf", kw.get("paged_kv_last_page_len_buffer")),
+        }
+        self.init_kw = kw
+
+    def _keep(self, name: str, value: torch.Tensor) -> None:
+        buf = self.bufs.get(name)
+        if self.graph and buf is not None:
+            buf[: value.shape[0]].copy_(value)
+            setattr(self, name, buf)
+        else:
+            setattr(self, name, value)
+
+    def _plan(self, qo, kv_indptr, indices, last, hq, hkv, d, p, **kw: Any) -> None:  # type: ignore[no-untyped-def]
+        # The host twins, never a device tensor that plan() would have to read back.
+        for t in (qo, kv_indptr, last):
+            assert t.device.type == "cpu"
+            assert t.dtype == torch.int32
+        assert indices.dtype == torch.int32
+        self._keep("qo", qo)
+        self._keep("kv_indptr", kv_indptr)
+        self._keep("indices", indices)
+        self._keep("last", last)
+        if self.graph:
+            assert len(last) == len(self.bufs["last"]), "batch size is fixed in graph mode"
+        self.qo_last = int(qo[-1])
+        self.heads = (hq, hkv)
+        self.causal = kw.get("causal", False)
+        self.window_left = kw["window_left"]
+        self.softcap = kw["logits_soft_cap"] or 0.0
+        self.sm_scale = kw["sm_scale"]
+        self.kv_dtype = kw["kv_data_type"]
+        _Calls.plans.append((type(self).__name__, id(self)))
+
+    def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], *args: Any, **kw: Any):  # type: ignore[no-untyped-def]
+        assert q.shape[0] == self.qo_last, (q.shape, self.qo_last)
+        assert kv[0].dtype == self.kv_dtype
+        assert "k_scale" not in kw
+        assert "v_scale" not in kw
+        assert "sinks" not in kw
+        out = kw["out"]
+        assert out.is_contiguous()
+        sinks, scale = (args[0], args[1]) if self.sinks else (None, None)
+        assert len(args) == (2 if self.sinks else 0)
+        out.copy_(_attend_csr(self, q, kv[0], kv[1], sinks, scale))
+        return out
+
+
+class _FakePrefill(_FakeWrapper):
+    def plan(self, qo, kv_indptr, indices, last, hq, hkv, d, p, **kw: Any) -> None:  # type: ignore[no-untyped-def]
+        self._plan(qo, kv_indptr, indices, last, hq, hkv, d, p, **kw)
+
+
+class _FakeDecode(_FakeWrapper):
+    decode = True
+
+    def plan(self, kv_indptr, indices, last, hq, hkv, d, p, **kw: Any) -> None:  # type: ignore[no-untyped-def]
+        assert "causal" not in kw
+        qo = torch.arange(last.shape[0] + 1, dtype=torch.int32)
+        self._plan(qo, kv_indptr, indices, last, hq, hkv, d, p, **kw)
+
+
+class _FakePrefillSink(_FakePrefill):
+    sinks = True
+
+
+class _FakeDecodeSink(_FakeDecode):
+    sinks = True
+
+
+def fake_flashinfer() -> types.ModuleType:
+    mod = types.ModuleType("flashinfer")
+    mod.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill  # type: ignore[attr-defined]
+    mod.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode  # type: ignore[attr-defined]
+    mod.BatchAttentionWithAttentionSinkWrapper = _FakePrefillSink  # type: ignore[attr-defined]
+    mod.BatchDecodeWithAttentionSinkWrapper = _FakeDecodeSink  # type: ignore[attr-defined]
+    return mod
+
+
+class _HostStore:
+    def poll(self, device: torch.device) -> None:
+        pass
+
+    def check_now(self, device: torch.device) -> None:
+        pass
+
+
+class CPUFlashInfer(FlashInferBackend):
+    """The backend on the CPU: the fake kernels and the portable KV store."""
+
+    capabilities = dataclasses.replace(
+        FlashInferBackend.capabilities, devices=frozenset({"cpu"}), min_compute_capability=None
+    )
+
+    def __init__(self, options: FlashInferOptions | None = None) -> None:
+        super().__init__(options)
+        self._store = _HostStore()  # type: ignore[assignment]
+
+    def store(self, k, v, cache, plan, state, *, k_scale, v_scale) -> None:  # type: ignore[no-untyped-def,override]
+        BackendBase.store(self, k, v, cache, plan, state, k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> CPUFlashInfer:
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+    monkeypatch.setattr(fi_module, "module_present", lambda name: True)
+    _Calls.plans = []
+    return CPUFlashInfer()
+
+
+def random_spec(r: random.Random) -> BatchSpec:
+    q, s = [], []
+    for _ in range(r.randint(1, 6)):
+        kind = r.choice(["decode", "decode", "extend", "prefill", "empty", "empty_ctx"])
+        ctx = {"prefill": 0, "empty": 0}.get(kind, r.randint(1, 90))
+        qi = {"decode": 1, "empty": 0, "empty_ctx": 0}.get(kind) or r.randint(2, 20)
+        q.append(qi)
+        s.append(ctx + qi)
+    if sum(q) == 0:
+        q[0], s[0] = 1, s[0] + 1
+    return BatchSpec(tuple(q), tuple(s), "random")
+
+
+def specs(seed: int) -> list[BatchSpec]:
+    r = random.Random(seed)
+    return [
+        BatchSpec.decode(batch_size=4, max_context=80, seed=seed),
+        BatchSpec((1, 0, 1, 0), (9, 0, 30, 5), "decode+empty"),
+        BatchSpec.chunked_prefill(batch_size=3, seed=seed),
+        BatchSpec.mixed(batch_size=4, max_len=40, seed=seed),
+        BatchSpec.decode(batch_size=3, seed=seed).with_padding(rows=2),
+        *(random_spec(r) for _ in range(3)),
+    ]
+
+
+CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+    "gqa-p16": ({}, {}, {}),
+    "mqa-p1-fp16": ({"num_kv_heads": 1}, {"page_size": 1, "dtype": torch.float16}, {}),
+    "hnd-p64": ({}, {"order": "HND", "page_size": 64}, {}),
+    "window": ({"sliding_window": 7}, {}, {}),
+    "softcap": ({"softcap": 5.0}, {}, {}),
+    "noncausal": ({"causal": False}, {}, {}),
+    "sinks-window": ({"has_sinks": True, "sliding_window": 9}, {}, {}),
+    "dv": ({"head_dim": 128, "v_head_dim": 64}, {"v_head_dim": 64}, {}),
+    "fp8-head-scales": ({}, {"kv_dtype": torch.float8_e4m3fn}, {"per_head_scales": True}),
+}
+
+
+def _layer_layout(name: str) -> tuple[A.LayerSpec, A.KVCacheLayout, dict[str, Any]]:
+    layer_kw, layout_kw, batch_kw = CONFIGS[name]
+    layer = A.LayerSpec(**{"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, **layer_kw})
+    layout = A.KVCacheLayout(layer.num_kv_heads, layer.head_dim, **{"page_size": 16, **layout_kw})
+    return layer, layout, batch_kw
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fake_kernels_match_reference(fake: CPUFlashInfer, name: str) -> None:
+    layer, layout, batch_kw = _layer_layout(name)
+    ref = ReferenceBackend()
+    for i, spec in enumerate(specs(len(name))):
+        batch = make_batch(
+            spec, layer, layout, seed=i, pages=("shuffled", "interleaved")[i % 2], **batch_kw
+        )
+        out, cache = batch.run(fake)
+        want, ref_cache = batch.run(ref)
+        assert_close_to_reference(out, want)
+        assert torch.equal(cache.k.float(), ref_cache.k.float())
+
+
+def test_decode_steps_use_the_decode_wrapper(fake: CPUFlashInfer) -> None:
+    layer, layout, _ = _layer_layout("gqa-p16")
+    fake.prepare([layer], layout)
+    batch = make_batch(BatchSpec((1, 0, 1), (5, 3, 40), "d"), layer, layout)
+    batch.run(fake)
+    assert [n for n, _ in _Calls.plans] == ["_FakeDecode"]
+    _Calls.plans = []
+    batch = make_batch(BatchSpec.mixed(batch_size=3), layer, layout)
+    batch.run(fake)
+    assert [n for n, _ in _Calls.plans] == ["_FakePrefill"]
+
+
+def test_sinks_change_the_output_and_use_the_sink_wrappers(fake: CPUFlashInfer) -> None:
+    layer, layout, _ = _layer_layout("sinks-window")
+    for spec in (BatchSpec.decode(batch_size=3), BatchSpec.mixed(batch_size=3)):
+        batch = make_batch(spec, layer, layout, seed=3)
+        strong = dataclasses.replace(batch, sinks=torch.full((8,), 4.0))
+        out, _ = strong.run(fake)
+        without, _ = dataclasses.replace(
+            batch, layer=dataclasses.replace(layer, has_sinks=False), sinks=None
+        ).run(fake)
+        assert (out.float() - without.float()).abs().max() > 0.1
+        assert_close_to_reference(out, strong.run(ReferenceBackend())[0])
+    assert {n for n, _ in _Calls.plans} <= {
+        "_FakePrefillSink",
+        "_FakeDecodeSink",
+        "_FakePrefill",
+        "_FakeDecode",
+    }
+    assert {"_FakePrefillSink", "_FakeDecodeSink"} <= {n for n, _ in _Calls.plans}
+
+
+def test_plan_once_per_variant_per_step(fake: CPUFlashInfer) -> None:
+    """32 layers of two shapes: two FlashInfer plan() calls per step, none per layer."""
+    full, _, _ = _layer_layout("gqa-p16")
+    local = dataclasses.replace(full, sliding_window=16)
+    layout = A.KVCacheLayout(2, 64, 16)
+    layers = [full, local] * 16
+    fake.prepare(layers, layout)
+    batch = make_batch(BatchSpec.mixed(batch_size=4), full, layout)
+    for step in range(3):
+        before = fake.plan_calls
+        plan = fake.plan(batch.metadata)
+        cache = batch.fresh_cache()
+        for layer in layers:
+            fake.forward(batch.q, batch.k, batch.v, cache, plan, layer)
+        assert fake.plan_calls - before == 2, step
+    # A layer shape nobody prepared is planned on its first use in a step, once.
+    extra = dataclasses.replace(full, softcap=3.0)
+    plan = fake.plan(batch.metadata)
+    before = fake.plan_calls
+    for _ in range(3):
+        fake.forward(batch.q, batch.k, batch.v, batch.fresh_cache(), plan, extra)
+    assert fake.plan_calls - before == 1
+
+
+def test_an_old_plan_is_replanned_not_misread(fake: CPUFlashInfer) -> None:
+    layer, layout, _ = _layer_layout("gqa-p16")
+    fake.prepare([layer], layout)
+    a = make_batch(BatchSpec.mixed(batch_size=3, seed=1), layer, layout, seed=1)
+    b = make_batch(BatchSpec.mixed(batch_size=5, seed=2), layer, layout, seed=2)
+    plan_a = fake.plan(a.metadata)
+    fake.plan(b.metadata)  # re-plans the same wrapper for another batch
+    out = fake.forward(a.q, a.k, a.v, a.fresh_cache(), plan_a, layer)
+    assert_close_to_reference(out, a.run(ReferenceBackend())[0])
+
+
+@pytest.mark.parametrize("tokens_per_seq", [1, 3])
+def test_graph_plans_replan_fixed_buffers(fake: CPUFlashInfer, tokens_per_seq: int) -> None:
+    """plan_for_capture / plan_for_replay with the wrappers' fixed buffers, run eagerly."""
+    layer, layout, _ = _layer_layout("gqa-p16")
+    fake.prepare([layer], layout)
+    state = fake.graph_state(8, 8 * tokens_per_seq, 6, page_size=16, device="cpu")
+    captured = fake.plan_for_capture(state, 8, 8 * tokens_per_seq, max_query_len=tokens_per_seq)
+    ((wrapper, kind),) = captured.wrappers.values()
+    assert kind == ("decode" if tokens_per_seq == 1 else "prefill")
+    assert wrapper.graph
+    r = random.Random(tokens_per_seq)
+    ref = ReferenceBackend()
+    for b in (1, 3, 8):
+        q_lens = [r.randint(0, tokens_per_seq) for _ in range(b)]
+        q_lens[0] = max(q_lens[0], 1)
+        seq = [q + r.randint(0, 80) for q in q_lens]
+        batch = make_batch(BatchSpec(tuple(q_lens), tuple(seq)), layer, layout, seed=b)
+        fake.plan_for_replay(captured, batch.metadata)
+        t = batch.metadata.num_tokens
+        rows = captured.metadata.num_tokens
+
+        def pad(x: torch.Tensor, rows: int = rows) -> torch.Tensor:
+            return torch.cat([x, torch.zeros(rows - x.shape[0], *x.shape[1:], dtype=x.dtype)])
+
+        cache = batch.fresh_cache()
+        out = fake.forward(pad(batch.q), pad(batch.k), pad(batch.v), cache, captured, layer)
+        want, ref_cache = batch.run(ref)
+        assert_close_to_reference(out[:t], want)
+        assert torch.equal(cache.k, ref_cache.k)
+        assert (wrapper, kind) == captured.wrappers[next(iter(captured.wrappers))]
+
+
+def test_graph_state_type_is_checked(fake: CPUFlashInfer) -> None:
+    from attnsdk._graph import GraphBuffers
+
+    with pytest.raises(A.InvalidInputError, match="state"):
+        fake.plan_for_capture(GraphBuffers(2, 2, 2, page_size=16, device="cpu"), 2, 2)
+
+
+def test_empty_step_plans_nothing(fake: CPUFlashInfer) -> None:
+    layer, layout, _ = _layer_layout("gqa-p16")
+    fake.prepare([layer], layout)
+    meta = A.AttentionMetadata.from_seqlens([0, 0], [0, 3], [[0], [1]], page_size=16)
+    plan = fake.plan(meta)
+    assert _Calls.plans == []
+    q = torch.zeros(0, 8, 64, dtype=torch.bfloat16)
+    out = fake.forward(q, None, None, layout.allocate(2), plan, layer)
+    assert out.shape == (0, 8, 64)
+
+
+def test_cuda_core_decode_reasons(fake: CPUFlashInfer, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = CPUFlashInfer(FlashInferOptions(decode="cuda_cores"))
+    odd = A.LayerSpec(num_heads=10, num_kv_heads=2, head_dim=64)
+    assert [r.field for r in backend.unsupported_reasons(odd, LAYOUT, "cpu")] == ["num_heads"]
+    d80 = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=80)
+    layout80 = A.KVCacheLayout(2, 80, 16)
+    assert [r.field for r in backend.unsupported_reasons(d80, layout80, "cpu")] == [
+        "head_dim",
+        "v_head_dim",
+    ]
+    assert backend.unsupported_reasons(LAYER, LAYOUT, "cpu") == []
+    assert fake.unsupported_reasons(odd, LAYOUT, "cpu") == []
+
+
+def test_paged_csr_properties() -> None:
+    csr = PagedCSR(
+        qo_indptr=torch.tensor([0, 1, 1], dtype=torch.int32),
+        kv_indptr=torch.tensor([0, 2, 2], dtype=torch.int32),
+        last_page_len=torch.tensor([3, 0], dtype=torch.int32),
+        positions=torch.tensor([0, 1]),
+    )
+    assert (csr.num_rows, csr.num_q_rows) == (2, 1)
+
+
+def test_variants_of_another_page_size_are_not_planned(fake: CPUFlashInfer) -> None:
+    layer, _, _ = _layer_layout("gqa-p16")
+    fake.prepare([layer], A.KVCacheLayout(2, 64, 16))
+    fake.prepare([layer], A.KVCacheLayout(2, 64, 64))
+    batch = make_batch(BatchSpec.mixed(batch_size=3), layer, A.KVCacheLayout(2, 64, 16))
+    before = fake.plan_calls
+    fake.plan(batch.metadata)
+    assert fake.plan_calls - before == 1

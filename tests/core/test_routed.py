@@ -1,0 +1,203 @@
+"""Per-model backend choice: ``create_backend(..., layers=, layout=)`` and the ``routed`` backend."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import pytest
+import torch
+
+import attnsdk as A
+from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.backends.routed import RoutedBackend, RoutedOptions, RoutedPlan, step_kind
+from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+LAYOUT = A.KVCacheLayout(num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)
+PLAIN = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+SOFTCAP = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, softcap=20.0)
+
+
+def counting(name: str, *, softcap: bool = True) -> type[ReferenceBackend]:
+    """The reference maths under another name, counting forwards, optionally without softcap."""
+    features = set(A.Feature) - (set() if softcap else {A.Feature.SOFTCAP})
+
+    class Counting(ReferenceBackend):
+        capabilities = A.Capabilities(
+            devices=frozenset({"cpu"}),
+            dtypes=frozenset({torch.float32}),
+            kv_dtypes=frozenset(),
+            max_head_dim=256,
+            orders=frozenset(A.KVOrder),
+            features=frozenset(features),
+        )
+        forwards: ClassVar[list[str]] = []
+
+        def attend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            Counting.forwards.append(name)
+            return super().attend(*args, **kwargs)
+
+    Counting.name = name
+    return Counting
+
+
+@pytest.fixture
+def fast_no_softcap() -> Iterator[type[ReferenceBackend]]:
+    """A high-priority backend without softcap, as fa3 is on a build without it."""
+    cls = counting("nocap", softcap=False)
+    handle = A.register_backend("nocap", cls, priority=1000)
+    yield cls
+    handle.remove()
+
+
+# --- per-model auto ------------------------------------------------------------------------------
+
+
+def test_auto_without_the_model_takes_the_highest_priority(fast_no_softcap: type) -> None:
+    assert A.create_backend("auto", device="cpu").name == "nocap"
+
+
+def test_auto_with_the_model_skips_a_backend_missing_a_layer_feature(
+    fast_no_softcap: type,
+) -> None:
+    backend = A.create_backend("auto", device="cpu", layers=[PLAIN, SOFTCAP, PLAIN], layout=LAYOUT)
+    assert backend.name != "nocap"
+    assert backend.unsupported_reasons(SOFTCAP, LAYOUT, "cpu") == []
+    # ... and it comes back prepared for the model.
+    assert isinstance(backend, A.BackendBase)
+    assert backend.prepared == [(PLAIN, LAYOUT), (SOFTCAP, LAYOUT)]
+
+
+def test_an_explicit_backend_that_cannot_serve_a_layer_names_it(fast_no_softcap: type) -> None:
+    with pytest.raises(A.UnsupportedConfigError, match="cannot serve this model") as info:
+        A.create_backend("nocap", device="cpu", layers=[PLAIN, SOFTCAP], layout=LAYOUT)
+    assert [r.field for r in info.value.reasons] == ["layers[1].softcap"]
+
+
+def test_auto_with_no_backend_for_the_model_lists_every_backend_reason(
+    fast_no_softcap: type,
+) -> None:
+    config = A.AttentionConfig(backend="auto", candidates=["nocap"])
+    with pytest.raises(A.UnsupportedConfigError, match="no attention backend can serve") as info:
+        A.create_backend(config, device="cpu", layers=[SOFTCAP], layout=LAYOUT)
+    assert [r.field for r in info.value.reasons] == ["nocap.layers[0].softcap"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"layers": [PLAIN]}, "layout"),
+        ({"layout": LAYOUT}, "layers"),
+        ({"layers": [PLAIN, "x"], "layout": LAYOUT}, r"layers\[1\]"),
+        ({"layers": [PLAIN], "layout": "NHD"}, "layout"),
+    ],
+)
+def test_the_model_arguments_are_checked(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(A.InvalidInputError, match=field):
+        A.create_backend("reference", **kwargs)  # type: ignore[arg-type]
+
+
+# --- routed --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def three() -> Iterator[dict[str, type[ReferenceBackend]]]:
+    classes = {n: counting(n) for n in ("dec", "pre", "mix")}
+    handles = [A.register_backend(n, c) for n, c in classes.items()]
+    for c in classes.values():
+        c.forwards.clear()
+    yield classes
+    for h in handles:
+        h.remove()
+
+
+def routed_over_three() -> RoutedBackend:
+    config = A.AttentionConfig(backend="routed", decode="dec", prefill="pre", mixed="mix")
+    backend = A.create_backend(config, device="cpu")
+    assert isinstance(backend, RoutedBackend)
+    return backend
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "kind"),
+    [
+        ((1, 1, 1), (9, 1, 4), "decode"),
+        ((1, 0, 1), (9, 3, 4), "decode"),
+        ((5, 3), (5, 3), "prefill"),
+        ((5, 0), (5, 0), "prefill"),
+        ((5, 1), (5, 8), "mixed"),
+        ((3, 3), (10, 3), "mixed"),
+    ],
+)
+def test_each_step_runs_on_its_kind_s_backend(
+    three: dict[str, type[ReferenceBackend]],
+    query_lens: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    kind: str,
+) -> None:
+    backend = routed_over_three()
+    batch = make_batch(BatchSpec(query_lens, seq_lens), PLAIN, LAYOUT, seed=sum(seq_lens))
+    assert step_kind(batch.metadata) == kind
+    out, cache = batch.run(backend)
+    expected, expected_cache = batch.run(ReferenceBackend())
+    assert_close_to_reference(out, expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(cache.k, expected_cache.k)
+    owner = {"decode": "dec", "prefill": "pre", "mixed": "mix"}[kind]
+    forwards = [n for c in three.values() for n in c.forwards]
+    assert forwards == [owner]
+
+
+def test_routes_skip_candidates_that_cannot_serve_the_model(
+    three: dict[str, type[ReferenceBackend]], fast_no_softcap: type
+) -> None:
+    config = A.AttentionConfig(
+        backend="routed", decode=["nocap", "dec"], prefill="pre", mixed=["nocap", "mix"]
+    )
+    backend = A.create_backend(config, device="cpu")
+    assert isinstance(backend, RoutedBackend)
+    assert backend.routes == {"decode": "nocap", "prefill": "pre", "mixed": "nocap"}
+    backend.prepare([PLAIN, SOFTCAP], LAYOUT, "cpu")
+    assert backend.routes == {"decode": "dec", "prefill": "pre", "mixed": "mix"}
+    why = backend.explain()
+    assert why["decode"]["backend"] == "dec"
+    assert why["decode"]["passed_over"] == {
+        "nocap": ["configuration: softcap is not supported by this backend"]
+    }
+
+
+def test_a_route_no_candidate_can_serve_raises_every_reason(fast_no_softcap: type) -> None:
+    config = A.AttentionConfig(backend="routed", decode="nocap", prefill="reference")
+    backend = A.create_backend(config, device="cpu")
+    with pytest.raises(A.UnsupportedConfigError, match="no backend for every step kind") as info:
+        backend.prepare([SOFTCAP], LAYOUT, "cpu")
+    assert [r.field for r in info.value.reasons] == ["decode.nocap.softcap"]
+
+
+def test_routed_is_never_picked_by_auto_but_listed_by_name() -> None:
+    assert "routed" in A.backend_names()
+    assert "routed" not in A.explain("auto", device="cpu")
+    assert A.explain("routed", PLAIN, LAYOUT, device="cpu") == {"routed": []}
+
+
+def test_routes_name_known_backends_only() -> None:
+    with pytest.raises(ValueError, match="nosuch"):
+        RoutedOptions(decode="nosuch")
+    with pytest.raises(A.AttnSDKError, match="decode"):
+        A.AttentionConfig(backend="routed", decode=["reference", "nosuch"])
+    with pytest.raises(ValueError, match="real backends"):
+        RoutedOptions(mixed=["auto"])
+
+
+def test_forward_needs_a_routed_plan() -> None:
+    backend = A.create_backend(
+        A.AttentionConfig(backend="routed", decode="reference", prefill="reference"), device="cpu"
+    )
+    batch = make_batch(BatchSpec((1,), (3,)), PLAIN, LAYOUT, seed=0)
+    inner = ReferenceBackend().plan(batch.metadata)
+    with pytest.raises(A.InvalidInputError, match="RoutedPlan"):
+        backend.forward(batch.q, batch.k, batch.v, batch.fresh_cache(), inner, PLAIN)
+    plan = backend.plan(batch.metadata)
+    assert isinstance(plan, RoutedPlan)
+    assert plan.kind == "decode"
