@@ -62,6 +62,18 @@ docs: $(DOCS_STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -n -q -b html docs docs/_build/html
 	@echo "docs/_build/html/index.html"
 
+# The benchmarks. With a CUDA GPU: every GPU benchmark (benchmarks/run_gpu.sh: each backend
+# next to its raw kernel, JSON + PNG + logs in $(BENCH_OUT)); without one: `attnsdk bench`,
+# a CPU benchmark of the backends that run on a CPU (seconds).
+BENCH_OUT ?= benchmarks/results
+
+bench: setup
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		PATH="$(abspath $(VENV))/bin:$$PATH" benchmarks/run_gpu.sh $(BENCH_OUT); \
+	else \
+		$(PY) -m attnsdk bench; \
+	fi
+
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .

@@ -1,4 +1,4 @@
-"""The ``attnsdk`` command (also ``python -m attnsdk``): ``info``, ``explain``, ``demo``.
+"""The ``attnsdk`` command (also ``python -m attnsdk``): ``info``, ``explain``, ``demo``, ``bench``.
 
 Help strings are written for a terminal (argparse prints them as they are); docs/cli.md is the
 manual. Exit codes: 0 success, 1 the answer is "no" (nothing can run, or the backend cannot serve
@@ -103,6 +103,33 @@ def build_parser(prog: str = "attnsdk") -> argparse.ArgumentParser:
     )
     demo.add_argument("--backend", metavar="NAME", help="backend name (default: config in effect)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (0)")
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark the backends that can run here against their raw kernels",
+        description="Time decode, prefill and mixed steps (Llama-3-8B attention, bf16, page 16) "
+        "on each backend that can run here and on its raw kernel, eager and under CUDA-graph "
+        "replay, as ratios to each other and to floors measured in the same run; every output "
+        "is checked against the reference backend. Without CUDA: a tiny CPU benchmark of the "
+        "backends that run on a CPU. Exit status 1 when a backend fails or is wrong.",
+    )
+    bench.add_argument(
+        "--backend",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="backends to run (repeatable; default: every backend auto may pick that runs here)",
+    )
+    bench.add_argument(
+        "--suite",
+        action="append",
+        metavar="SUITE[,SUITE]",
+        help="decode, prefill, mixed (repeatable; default: all three)",
+    )
+    bench.add_argument("--quick", action="store_true", help="a few cases, short timing loops")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument(
+        "--out", metavar="DIR", help="also write bench.json and <suite>.json into DIR"
+    )
     return parser
 
 
@@ -119,6 +146,10 @@ def main(argv: list[str] | None = None, *, prog: str = "attnsdk") -> int:
             from attnsdk._cli_explain import run_explain
 
             return run_explain(args)
+        if args.command == "bench":
+            from attnsdk._cli_bench import run_bench
+
+            return run_bench(args)
         from attnsdk._cli_demo import demo
 
         return demo(args.backend, args.seed)

@@ -77,7 +77,7 @@ def test_the_attnsdk_script_is_the_same_command() -> None:
     assert proc.stdout == f"attnsdk {A.__version__}\n"
 
 
-@pytest.mark.parametrize("command", [[], ["info"], ["explain"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["info"], ["explain"], ["demo"], ["bench"]])
 def test_help_is_plain_text(cli: Any, command: list[str]) -> None:
     code, out, _ = cli(*command, "--help")
     assert code == 0
@@ -287,7 +287,10 @@ def test_explain_json() -> None:
         "order": "NHD",
         "kv_dtype": "float8_e4m3fn",
     }
-    assert [b["name"] for b in report["backends"]] == A.backend_names()
+    # What "auto" may pick: composites ("routed", negative priority) are asked for by name.
+    assert [b["name"] for b in report["backends"]] == [
+        n for n in A.backend_names() if n != "routed"
+    ]
     assert (report["chosen"], report["ok"]) == ("reference", True)
 
 
@@ -445,6 +448,138 @@ def test_unknown_backend_is_a_message_not_a_traceback(cli: Any) -> None:
     assert "Traceback" not in err
 
 
+# --- bench -------------------------------------------------------------------------------------
+
+BENCH_KEYS = {
+    "attnsdk", "device", "device_type", "torch", "python", "threads", "quick", "layer",
+    "copy_ceiling_gbs", "matmul_ceiling_tflops", "matmul_dtype", "backends",
+    "backends_skipped", "suites", "seconds",
+}  # fmt: skip
+ROW_KEYS = {
+    "suite", "case", "backend", "num_seqs", "num_tokens", "layers", "kv_bytes", "flops",
+    "setup_s", "max_abs_err", "correct", "sdk_fwd_eager_us", "sdk_step_eager_us",
+    "sdk_plan_host_us", "graph", "fwd_eager_ratio", "graph_ratio", "floor_us", "bound",
+    "floor_basis", "frac_of_floor",
+}  # fmt: skip
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path on every machine
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process bench runs take the CPU path, GPU or not."""
+    import attnsdk._cli_bench
+
+    monkeypatch.setattr(attnsdk._cli_bench, "cuda_available", lambda: False)
+
+
+def test_bench_quick_json_on_a_cpu() -> None:
+    proc = run_cli("bench", "--quick", "--json", "--backend", "reference", **NO_GPU)
+    assert proc.returncode == 0, proc.stderr
+    assert "GPU benchmarks need CUDA" in proc.stderr  # said once, on stderr: stdout is JSON
+    report = json.loads(proc.stdout)
+    assert set(report) == BENCH_KEYS
+    assert (report["device_type"], report["quick"], report["backends"]) == (
+        "cpu",
+        True,
+        ["reference"],
+    )
+    assert report["layer"] == {
+        "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 16, "dtype": "bfloat16"
+    }  # fmt: skip
+    assert list(report["suites"]) == ["decode", "prefill", "mixed"]
+    for suite, data in report["suites"].items():
+        assert data["skipped"] == []
+        (row,) = data["rows"]
+        assert set(row) >= ROW_KEYS, ROW_KEYS - set(row)
+        assert (row["suite"], row["backend"], row["correct"]) == (suite, "reference", True)
+        assert row["sdk_fwd_eager_us"] > 0
+        assert "raw_eager_us" not in row  # no raw kernel runs on a CPU
+        assert row["graph"] == "not on a GPU"
+        assert row["frac_of_floor"] > 0
+    decode = report["suites"]["decode"]["rows"][0]
+    assert {"bs", "ctx", "sdk_eager_us", "eager_ratio", "kv_gbs", "kv_frac_of_copy"} <= set(decode)
+    prefill = report["suites"]["prefill"]["rows"][0]
+    assert {"sdk_us", "raw_us", "sdk_tflops", "ratio", "frac_of_matmul"} <= set(prefill)
+
+
+def test_bench_table_and_out_dir(cli: Any, cpu_only: None, tmp_path: Path) -> None:
+    code, out, err = cli(
+        "bench", "--quick", "--backend", "Reference", "--suite", "decode", "--out", str(tmp_path)
+    )
+    assert code == 0, err
+    header, row, *rest = out.splitlines()
+    assert header.split()[:6] == ["suite", "case", "backend", "SDK", "us", "raw"]
+    assert row.split()[:3] == ["decode", "4x256", "reference"]
+    assert rest[-1].startswith("per layer, forward only")
+    assert "measured in this run on cpu" in rest[-1]
+    # one suite: its file only (bench.json is written when several suites ran)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.json"]
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert data["suite"] == "decode"
+    assert [r["case"] for r in data["rows"]] == ["4x256"]
+    assert data["copy_ceiling_gbs"] > 0
+
+
+def test_bench_backend_lists(cli: Any, cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--backend is repeatable and takes comma lists; a backend that cannot run is skipped
+    with its reasons, and nothing left to run is exit status 1."""
+    import attnsdk._cli_bench as bench
+
+    seen: list[list[str]] = []
+    real = bench.select_backends
+
+    def spy(names: list[str], device: str) -> tuple[list[str], dict[str, list[str]]]:
+        seen.append(names)
+        return real(names, device)
+
+    monkeypatch.setattr(bench, "select_backends", spy)
+    code, out, err = cli("bench", "--quick", "--backend", "fa3,FA3", "--backend", "flashinfer")
+    assert seen == [["fa3", "flashinfer"]]
+    assert code == 1
+    assert out == ""
+    assert "skipped fa3: environment: device must be one of ['cuda'], found 'cpu'" in err
+    assert "skipped flashinfer: environment: device must be one of ['cuda']" in err
+    assert "no backend to benchmark on cpu" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "refrence"], "--backend 'refrence': unknown; known: "),
+        (["--backend", "fa3,nope"], "--backend 'nope': unknown; known: "),
+        (["--suite", "decod"], "--suite 'decod': unknown; known: decode, prefill, mixed."),
+    ],
+)
+def test_bench_unknown_names_exit_2(cli: Any, args: list[str], message: str) -> None:
+    code, out, err = cli("bench", *args)
+    assert code == 2
+    assert out == ""
+    assert message in err
+    assert "Traceback" not in err
+    if "backend" in message:
+        assert ", ".join(A.backend_names()) in err  # names every registered backend
+    assert "Did you mean" in err or "nope" in args[1]
+
+
+def test_bench_reports_a_wrong_backend(
+    cli: Any, cpu_only: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend whose output differs from the reference fails the run (exit status 1)."""
+
+    class Wrong(ReferenceBackend):
+        def attend(self, q: Any, cache: Any, plan: Any, *args: Any, out: Any, **kw: Any) -> Any:
+            return out.zero_()
+
+    handle = A.register_backend("wrong", Wrong, priority=-1)
+    try:
+        code, out, err = cli("bench", "--quick", "--backend", "wrong", "--suite", "prefill")
+    finally:
+        handle.remove()
+    assert code == 1
+    assert "FAILED prefill prefill 1x128 wrong: wrong output" in err
+    assert "wrong" in out  # the row is still printed
+
+
 # --- docs/cli.md -------------------------------------------------------------------------------
 
 MANUAL = (ROOT / "docs" / "cli.md").read_text()
@@ -481,3 +616,6 @@ def test_the_manual_documents_every_json_key() -> None:
     assert {k.split(".", 1)[1] for k in info if k.startswith("config.")} == CONFIG_KEYS
     explain = documented_keys("### `attnsdk explain --json`")
     assert {k for k in explain if "." not in k} == EXPLAIN_KEYS
+    bench = documented_keys("### `attnsdk bench --json`")
+    assert {k for k in bench if "." not in k} == BENCH_KEYS
+    assert {k.split(".", 1)[1] for k in bench if k.startswith("row.")} >= ROW_KEYS
