@@ -220,10 +220,10 @@ def test_gather_indices_reads_the_page_table() -> None:
     table = torch.tensor([[5, 6, 7], [8, 0, 0], [9, 10, 0]], dtype=torch.int32)
     qsl = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
     csr = build_csr(qsl, torch.tensor([40, 3, 17], dtype=torch.int32), 16, 3, per_token=False)
-    assert gather_indices(table, csr.positions).tolist() == [5, 6, 7, 8, 9, 10]
+    assert gather_indices(table, csr).tolist() == [5, 6, 7, 8, 9, 10]
     out = torch.full((9,), -1, dtype=torch.int32)
-    staging = torch.zeros(9, dtype=torch.int64)
-    got = gather_indices(table.t().contiguous().t(), csr.positions, out=out, staging=staging)
+    staging = torch.zeros(7, dtype=torch.int64)
+    got = gather_indices(table.t().contiguous().t(), csr, out=out, staging=staging)
     assert got.tolist() == [5, 6, 7, 8, 9, 10]
     assert out[:6].tolist() == [5, 6, 7, 8, 9, 10]
     assert got.data_ptr() == out.data_ptr()
@@ -601,9 +601,11 @@ def test_paged_csr_properties() -> None:
         qo_indptr=torch.tensor([0, 1, 1], dtype=torch.int32),
         kv_indptr=torch.tensor([0, 2, 2], dtype=torch.int32),
         last_page_len=torch.tensor([3, 0], dtype=torch.int32),
-        positions=torch.tensor([0, 1]),
+        seq_of_row=torch.tensor([1, 0]),
+        width=4,
     )
-    assert (csr.num_rows, csr.num_q_rows) == (2, 1)
+    assert (csr.num_rows, csr.num_q_rows, csr.nnz) == (2, 1, 2)
+    assert csr.positions.tolist() == [4, 5]
 
 
 def test_variants_of_another_page_size_are_not_planned(fake: CPUFlashInfer) -> None:
