@@ -43,7 +43,10 @@ autodoc_preserve_defaults = True
 # annotated_types, the engines' types (only imported under TYPE_CHECKING, so they stay bare
 # names), and attnsdk's private helper types (a name starting with "_").
 nitpick_ignore_regex = [
-    ("py:.*", r"(os|collections|typing|enum|torch|pydantic|annotated_types|hypothesis|_pytest|pytest)\..*"),
+    (
+        "py:.*",
+        r"(os|collections|typing|enum|torch|pydantic|annotated_types|hypothesis|_pytest|pytest)\..*",
+    ),
     ("py:.*", r"BaseModel|SerializeAsAny|Factory|ForwardBatch|ModelRunner|RadixAttention"),
     ("py:.*", r"attnsdk\..*\._\w+"),
 ]

@@ -88,14 +88,14 @@ def test_steady_state_does_not_recompile_or_sync() -> None:
 
     backend = FlexBackend()
     layer, layout = _layer_layout(torch.bfloat16, 16, num_heads=32, num_kv_heads=8)
-    cache = layout.allocate(2048, DEV)
+    cache = layout.allocate(4096, DEV)  # up to 64 sequences x 63 pages
     cache.k.normal_()
     cache.v.normal_()
     r = random.Random(0)
     graphs = None
     for step in range(12):
         seqs = [r.randint(100, 1000) for _ in range(r.randint(33, 64))]  # Bb = 64 throughout
-        pages = r.sample(range(1, 2048), sum(-(-s // 16) for s in seqs))
+        pages = r.sample(range(1, 4096), sum(-(-s // 16) for s in seqs))
         table, start = [], 0
         for s in seqs:
             n = -(-s // 16)
