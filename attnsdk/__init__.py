@@ -7,6 +7,7 @@ from attnsdk._backend import Backend, Plan
 from attnsdk._base import BackendBase, BackendClass, NoOptions
 from attnsdk._capabilities import Capabilities, Feature, GraphSupport, Reason, ReasonKind
 from attnsdk._config import AttentionConfig, AutoOptions
+from attnsdk._create import create_backend, explain
 from attnsdk._errors import (
     AttnSDKError,
     BackendUnavailableError,
@@ -18,7 +19,7 @@ from attnsdk._graph import GraphBuffers, GraphHooks
 from attnsdk._kv import KVCache, KVCacheLayout, KVOrder
 from attnsdk._layer import LayerSpec
 from attnsdk._metadata import AttentionMetadata
-from attnsdk._registry import Registration, backend_names, create_backend, explain, register_backend
+from attnsdk._registry import Registration, backend_names, register_backend
 from attnsdk.graphs import GraphRunner
 
 __version__ = "0.1.0"

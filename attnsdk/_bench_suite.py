@@ -18,9 +18,9 @@ import torch
 
 from attnsdk._bench import DTYPE, PAGE, Case, Ceilings, eager_us, graph_us, host_us, rotation
 from attnsdk._bench_raw import RAW_FAMILY, raw_kernel, write_kv
+from attnsdk._create import create_backend
 from attnsdk._kv import KVCacheLayout
 from attnsdk._metadata import AttentionMetadata
-from attnsdk._registry import create_backend
 from attnsdk.testing import tolerance
 
 if TYPE_CHECKING:

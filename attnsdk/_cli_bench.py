@@ -32,10 +32,11 @@ from attnsdk._bench import (
 )
 from attnsdk._bench import dumps as json_text
 from attnsdk._config import AttentionConfig
+from attnsdk._create import create_backend, explain
 from attnsdk._device import cuda_available, device_name
 from attnsdk._errors import UnsupportedConfigError
 from attnsdk._kv import KVCacheLayout
-from attnsdk._registry import backend_names, create_backend, explain
+from attnsdk._registry import backend_names
 
 if TYPE_CHECKING:
     import argparse

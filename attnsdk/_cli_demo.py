@@ -8,10 +8,10 @@ import time
 import torch
 
 from attnsdk._config import AttentionConfig
+from attnsdk._create import create_backend
 from attnsdk._device import cuda_available
 from attnsdk._kv import KVCacheLayout
 from attnsdk._layer import LayerSpec
-from attnsdk._registry import create_backend
 
 __all__ = ["demo"]
 

@@ -18,11 +18,12 @@ import torch
 from attnsdk._cli_info import config_json, reason_json, reason_text, render_config, selected
 from attnsdk._config import AttentionConfig, ConfigSource, config_in_effect
 from attnsdk._config_files import read_mapping
+from attnsdk._create import explain
 from attnsdk._device import cuda_available
 from attnsdk._errors import InvalidInputError
 from attnsdk._kv import KVCacheLayout
 from attnsdk._layer import LayerSpec
-from attnsdk._registry import AUTO, explain
+from attnsdk._registry import AUTO
 
 if TYPE_CHECKING:
     import argparse

@@ -15,10 +15,11 @@ import torch
 
 from attnsdk._capabilities import Reason, ReasonKind
 from attnsdk._config import AttentionConfig, ConfigSource, config_in_effect
+from attnsdk._create import explain
 from attnsdk._debug import debug_enabled
 from attnsdk._device import compute_capability, cuda_available, device_name
 from attnsdk._errors import AttnSDKError
-from attnsdk._registry import AUTO, backend_names, explain
+from attnsdk._registry import AUTO, backend_names
 from attnsdk.backends._fa3_kernels import PROVIDERS, find_provider, module_present
 
 if TYPE_CHECKING:

@@ -260,7 +260,7 @@ class RoutedBackend:
             raise UnsupportedConfigError(
                 "the routed backend has no backend for every step kind:", reasons
             )
-        from attnsdk._registry import create_backend
+        from attnsdk._create import create_backend
 
         created = {id(b): b for b in self._backends.values()}
         by_name = {b.name: b for b in created.values()}
@@ -283,7 +283,8 @@ def _route_reasons(
 ) -> tuple[dict[str, str], list[Reason], dict[str, dict[str, list[Reason]]]]:
     """Per kind: the first candidate that serves every layer, the reasons of kinds with none,
     and the reasons each earlier candidate was passed over."""
-    from attnsdk._registry import backend_names, explain
+    from attnsdk._create import explain
+    from attnsdk._registry import backend_names
 
     known = set(backend_names())
     chosen: dict[str, str] = {}

@@ -40,11 +40,11 @@ import torch
 
 from attnsdk._base import BackendBase
 from attnsdk._capabilities import GraphSupport
+from attnsdk._create import create_backend, explain
 from attnsdk._errors import InvalidMetadataError, UnsupportedConfigError
 from attnsdk._kv import COMPUTE_DTYPES, KVCache, KVCacheLayout
 from attnsdk._layer import LayerSpec
 from attnsdk._metadata import AttentionMetadata
-from attnsdk._registry import create_backend, explain
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.graphs import GraphRunner
 from attnsdk.testing._batch import Batch, PageOrder, make_batch

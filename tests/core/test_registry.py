@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 import attnsdk as A
-from attnsdk import _registry
+from attnsdk import _create, _registry
 from attnsdk._capabilities import capability_reasons
 from attnsdk.backends.reference import ReferenceBackend
 
@@ -29,14 +29,14 @@ def registry_state() -> Iterator[None]:
     """Every test starts from, and leaves behind, the registry as it found it."""
     saved = dict(_registry._REGISTRY)
     loaded = _registry._PLUGINS_LOADED
-    logged = set(_registry._LOGGED_AUTO)
+    logged = set(_create._LOGGED_AUTO)
     yield
     with _registry._LOCK:
         _registry._REGISTRY.clear()
         _registry._REGISTRY.update(saved)
         _registry._PLUGINS_LOADED = loaded
-        _registry._LOGGED_AUTO.clear()
-        _registry._LOGGED_AUTO.update(logged)
+        _create._LOGGED_AUTO.clear()
+        _create._LOGGED_AUTO.update(logged)
 
 
 class Options(BaseModel):
