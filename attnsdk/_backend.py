@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from attnsdk._errors import InvalidInputError
+from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._kv import KVCache
 from attnsdk._layer import LayerSpec
 from attnsdk._metadata import AttentionMetadata
@@ -169,6 +169,16 @@ def check_forward_args(
             f"{layout.page_size}, the cache's page size",
             meta.page_size,
             "The page table and slots were built for another page size",
+        )
+    # Metadata without a page size (vLLM's) could not be checked against the page table's
+    # width in plan(); the cache's page size settles it here, before anything is written.
+    needed = -(-meta.max_seq_len // layout.page_size)
+    if meta.page_table.dim() == 2 and meta.page_table.shape[1] < needed:
+        raise InvalidMetadataError(
+            "page_table",
+            f"at least {needed} columns for max_seq_len={meta.max_seq_len} at the cache's page "
+            f"size {layout.page_size}",
+            meta.page_table.shape[1],
         )
     hq, hkv, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim
     if (layout.num_kv_heads, layout.head_dim, layout.v_dim) != (hkv, d, dv):

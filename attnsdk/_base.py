@@ -160,18 +160,24 @@ class BackendBase(GraphHooks):
             raise InvalidInputError("layout", "a KVCacheLayout", type(layout).__name__)
         dev = torch.device(device) if device is not None else None
         failed: list[Reason] = []
+        new: dict[tuple[LayerSpec, KVCacheLayout], Any] = {}
         for i, layer in enumerate(layers):
             if not isinstance(layer, LayerSpec):
                 raise InvalidInputError(f"layers[{i}]", "a LayerSpec", type(layer).__name__)
+            key = (layer, layout)
+            if key in self._layer_states or key in new:
+                continue
             reasons = self.unsupported_reasons(layer, layout, dev)
             if reasons:
                 failed += [Reason(r.kind, f"layers[{i}].{r.field}", r.message) for r in reasons]
-            elif (layer, layout) not in self._layer_states:
-                self._layer_states[(layer, layout)] = self.layer_state(layer, layout)
+            elif not failed:
+                new[key] = self.layer_state(layer, layout)
         if failed:
+            # All or nothing: a model that cannot be served leaves no layer prepared.
             raise UnsupportedConfigError(
                 f"the {self.name} backend cannot serve this model:", sorted(set(failed))
             )
+        self._layer_states.update(new)
 
     @property
     def prepared(self) -> list[tuple[LayerSpec, KVCacheLayout]]:
@@ -179,13 +185,13 @@ class BackendBase(GraphHooks):
         return list(self._layer_states)
 
     def warmup(self, device: torch.device | str | None = None, num_pages: int = 8) -> None:
-        """Compile or load every kernel variant the prepared layers need, before serving.
+        """Compile or load the kernel variants the prepared layers need, before serving.
 
-        Runs one small mixed step (a decode row and a prefill row) per prepared layer shape on
-        a scratch cache of ``num_pages`` pages, in eager mode and, for a capturable backend, on
-        nothing else: CUDA graphs compile nothing new. Backends whose kernels compile lazily
-        (Triton, JIT libraries, ``torch.compile``) then serve the first real step at full
-        speed. A no-op before ``prepare``.
+        Runs two small eager steps per prepared layer shape (two prefills, then a decode row
+        beside an extend row) on a scratch cache of ``num_pages`` pages. Backends whose kernels
+        compile per layer shape (Triton, JIT libraries) then serve the first real step without
+        compiling; one that also specialises on the pool size (compiled flex) compiles again
+        for the real cache unless ``num_pages`` matches it. A no-op before ``prepare``.
         """
         for layer, layout in self.prepared:
             warm_up(self, layer, layout, device, num_pages)

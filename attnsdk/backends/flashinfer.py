@@ -71,8 +71,6 @@ _CUDA_CORE_GROUPS = frozenset({1, 2, 3, 4, 6, 8, 16})
 """Query heads per KV head that FlashInfer's CUDA-core decode kernel is compiled for."""
 _HEAD_DIMS = frozenset({64, 128, 256})
 """Head dims FlashInfer's kernels dispatch, its split-KV merge included."""
-"""Head dims the CUDA-core decode kernel's thread layout is written for (tensor cores: any
-multiple of 16)."""
 
 Kind = Literal["decode", "prefill"]
 

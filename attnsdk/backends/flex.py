@@ -247,6 +247,10 @@ class FlexBackend(BackendBase):
             self._store.check_now(device)
 
     def check_step(self, plan: Plan, cache: KVCache) -> None:
+        # The pool must be viewable as one KV sequence (an interleaved [N, 2, P, H, D] cache is
+        # not): refused here, before the store writes anything.
+        _pool(cache.k_nhd, 0)
+        _pool(cache.v_nhd, 0)
         # A CPU check costs no device sync: every page read is checked before any write. On
         # CUDA page ids are clamped into the pool instead (no read outside the cache).
         if cache.device.type == "cpu":

@@ -51,11 +51,11 @@ class RoutedOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    decode: tuple[str, ...] = ("flashinfer", "fa3", "flex", "reference")
+    decode: tuple[str, ...] = ("flashinfer", "fa3", "reference", "flex")
     """FlashInfer's tensor-core decode is the fastest decode measured on an H200."""
-    prefill: tuple[str, ...] = ("fa3", "flashinfer", "flex", "reference")
+    prefill: tuple[str, ...] = ("fa3", "flashinfer", "reference", "flex")
     """FA3's causal prefill is the fastest prefill measured on an H200."""
-    mixed: tuple[str, ...] = ("fa3", "flashinfer", "flex", "reference")
+    mixed: tuple[str, ...] = ("fa3", "flashinfer", "reference", "flex")
     """FA3 serves any mix in one varlen launch."""
 
     @field_validator("decode", "prefill", "mixed", mode="before")
@@ -212,6 +212,13 @@ class RoutedBackend:
             v_scale=v_scale,
             out=out,
         )
+
+    def sync_check(self, device: torch.device) -> None:
+        """Raise now, with a device sync, what any route's KV store recorded (debug mode)."""
+        for backend in {id(b): b for b in self._backends.values()}.values():
+            check = getattr(backend, "sync_check", None)
+            if check is not None:
+                check(device)
 
     # -- CUDA graphs: the decode route's backend ------------------------------------------
 

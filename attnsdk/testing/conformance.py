@@ -125,6 +125,9 @@ class BackendConformance:
     seeds: ClassVar[int] = 3
     atol: ClassVar[float | None] = None
     rtol: ClassVar[float | None] = None
+    serves_basic_case: ClassVar[bool] = True
+    """False only for a backend that cannot serve a GQA layer on an NHD cache at ``page_size``
+    (otherwise a backend refusing everything would pass by skipping)."""
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -232,11 +235,23 @@ class BackendConformance:
             # Every feature served: a layer whose KV heads are not the cache's.
             LayerSpec(num_heads=8, num_kv_heads=4, head_dim=layout.head_dim),
         )
+        before = base.prepared
         with pytest.raises(UnsupportedConfigError, match=r"layers\[1\]") as info:
             base.prepare([good, bad], layout, self.device)
         fields = [r.field for r in info.value.reasons]
         assert fields, "UnsupportedConfigError without reasons"
         assert all(f.startswith("layers[1].") for f in fields), fields
+        assert base.prepared == before, "a refused model left layers prepared"
+
+    def test_serves_the_basic_case(self, subject: Backend) -> None:
+        """A backend that refused everything would pass every other case by skipping: it must
+        serve at least a GQA layer on an NHD cache of ``page_size`` in its first dtype
+        (set ``serves_basic_case = False`` for a backend that truly cannot)."""
+        if not self.serves_basic_case:
+            pytest.skip("the backend declares it does not serve the basic case")
+        layout = self._layout(FEATURES["gqa"], self._dtype(subject), "NHD", self.page_size)
+        layer = LayerSpec(**FEATURES["gqa"].layer)
+        assert subject.unsupported_reasons(layer, layout, self.device) == []
 
     def test_plan_rejects_bad_metadata(self, subject: Backend) -> None:
         """A row with more query tokens than keys is refused by ``plan``, naming the field."""

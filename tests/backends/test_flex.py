@@ -147,6 +147,19 @@ def test_refusals(case: str) -> None:
         eager.prepare([layer], layout, "cpu")
 
 
+def test_an_interleaved_cache_is_refused_before_anything_is_written() -> None:
+    layer, layout = layer_and_layout()
+    # vLLM's [N, 2, P, H, D]: K and V pages interleave, so K's pages are not P rows apart.
+    both = torch.randn(8, 2, layout.page_size, 2, 16, dtype=layout.dtype)
+    cache = layout.wrap(both[:, 0], both[:, 1])
+    batch = make_batch(BatchSpec.mixed(seed=1), layer, layout, seed=1)
+    before = both.clone()
+    plan = eager.plan(batch.metadata)
+    with pytest.raises(A.InvalidInputError, match=r"cache\.k"):
+        eager.forward(batch.q, batch.k, batch.v, cache, plan, layer)
+    assert torch.equal(both, before)
+
+
 def test_compiled_cpu_refuses_sinks_with_a_reason() -> None:
     layer, layout = layer_and_layout(has_sinks=True)
     compiled = FlexBackend(FlexOptions(compile=True))

@@ -107,6 +107,8 @@ def test_prepare_names_every_layer_it_cannot_serve() -> None:
         "layers[3].sliding_window",
     ]
     assert "layers[1].softcap" in str(info.value)
+    # All or nothing: the servable layers of a refused model are not prepared either.
+    assert dense.prepared == []
 
 
 def test_prepare_computes_each_shape_once_and_warmup_runs_them() -> None:

@@ -201,3 +201,27 @@ def test_forward_needs_a_routed_plan() -> None:
     plan = backend.plan(batch.metadata)
     assert isinstance(plan, RoutedPlan)
     assert plan.kind == "decode"
+
+
+def test_debug_mode_s_sync_check_reaches_every_route() -> None:
+    checked: list[str] = []
+
+    class Checked(ReferenceBackend):
+        def sync_check(self, device: torch.device) -> None:
+            checked.append(self.name)
+
+    handles = []
+    for name in ("dec", "pre"):
+        cls = type(f"Checked_{name}", (Checked,), {"name": name})
+        handles.append(A.register_backend(name, cls))
+    try:
+        backend = A.create_backend(
+            A.AttentionConfig(backend="routed", decode="dec", prefill="pre", mixed="pre"),
+            device="cpu",
+        )
+        assert isinstance(backend, RoutedBackend)
+        backend.sync_check(torch.device("cpu"))
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(checked) == ["dec", "pre"]
