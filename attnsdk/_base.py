@@ -26,7 +26,13 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from attnsdk._backend import Plan, check_forward_args
-from attnsdk._capabilities import Capabilities, Reason, capability_reasons, device_reasons
+from attnsdk._capabilities import (
+    Capabilities,
+    Reason,
+    capability_reasons,
+    default_device,
+    device_reasons,
+)
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVCacheLayout
@@ -73,8 +79,10 @@ class BackendClass(Protocol):
         layer: LayerSpec | None = None,
         layout: KVCacheLayout | None = None,
         device: torch.device | str | None = None,
+        options: BaseModel | None = None,
     ) -> list[Reason]:
-        """Every reason it cannot serve ``layer`` / ``layout`` on ``device``, environment first."""
+        """Every reason it cannot serve ``layer`` / ``layout`` on ``device`` with ``options``
+        (None: the defaults), environment first."""
         ...
 
 
@@ -121,16 +129,33 @@ class BackendBase(GraphHooks):
         return []
 
     @classmethod
+    def option_reasons(
+        cls,
+        options: Any,
+        layer: LayerSpec | None,
+        layout: KVCacheLayout | None,
+        device: torch.device,
+    ) -> list[Reason]:
+        """Hook: refusals that depend on the backend's options (and the device they run on),
+        e.g. a kernel variant an option selects. ``options`` is an instance of ``Options``."""
+        return []
+
+    @classmethod
     def reasons_for(
         cls,
         layer: LayerSpec | None = None,
         layout: KVCacheLayout | None = None,
         device: torch.device | str | None = None,
+        options: BaseModel | None = None,
     ) -> list[Reason]:
-        """Capabilities, environment and ``extra_reasons``, sorted and without repeats."""
+        """Capabilities, environment, ``extra_reasons`` and ``option_reasons`` (for ``options``,
+        default: the default options), sorted and without repeats."""
         reasons = set(capability_reasons(cls.capabilities, layer, layout, device))
         reasons.update(cls.environment_reasons(device))
         reasons.update(cls.extra_reasons(layer, layout))
+        dev = torch.device(device) if device is not None else default_device(cls.capabilities)
+        chosen = options if options is not None else cls.Options()
+        reasons.update(cls.option_reasons(chosen, layer, layout, dev))
         return sorted(reasons)
 
     def unsupported_reasons(
@@ -139,7 +164,7 @@ class BackendBase(GraphHooks):
         layout: KVCacheLayout | None = None,
         device: torch.device | str | None = None,
     ) -> list[Reason]:
-        return self.reasons_for(layer, layout, device)
+        return self.reasons_for(layer, layout, device, self.options)
 
     # -- once per model ---------------------------------------------------------------------
 

@@ -217,7 +217,10 @@ def explain(
         entries = _auto_entries(
             config if isinstance(config, AttentionConfig) else AttentionConfig()
         )
-    return {e.name: _reasons(e, layer, layout, device) for e in entries}
+    # An explicit config's options count (flex compiled or not, flashinfer's decode kernel);
+    # "auto" creates its candidates with their default options.
+    options = config.options if isinstance(config, AttentionConfig) and name != AUTO else None
+    return {e.name: _reasons(e, layer, layout, device, options) for e in entries}
 
 
 def _reasons(
@@ -225,14 +228,23 @@ def _reasons(
     layer: LayerSpec | None,
     layout: KVCacheLayout | None,
     device: torch.device | str | None,
+    options: BaseModel | None = None,
 ) -> list[Reason]:
+    """Why ``entry`` cannot serve the request; ``options``: the configured ones (None: the
+    defaults, which is what "auto" creates)."""
     env = entry.environment_reasons(device)
     if any(r.field == "import" for r in env):
         return env
     factory = entry.factory()
-    # A backend class answers without being created (FA3 adds its build's own refusals).
+    # A backend class answers without being created (FA3 adds its build's own refusals,
+    # flex and flashinfer those of their options).
     if isinstance(factory, BackendClass):
-        return sorted(set(env) | set(factory.reasons_for(layer, layout, device)))
+        asked = (
+            factory.reasons_for(layer, layout, device)
+            if options is None
+            else factory.reasons_for(layer, layout, device, options)
+        )
+        return sorted(set(env) | set(asked))
     caps = getattr(factory, "capabilities", None)
     if isinstance(caps, Capabilities):
         checked = capability_reasons(caps, layer, layout, device)

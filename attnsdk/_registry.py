@@ -148,9 +148,9 @@ def register_backend(
     ``factory(options) -> Backend`` may be a class or a ``"module:attr"`` path. ``"auto"`` picks
     the highest ``priority`` that can run. ``options`` is the pydantic model that validates the
     backend's options in an ``AttentionConfig``; None means the factory's ``Options`` attribute,
-    else no options. A factory may define ``environment_reasons(device)`` (a classmethod) so that
-    "auto" and ``explain`` can check it without creating it, and ``reasons_for(layer, layout,
-    device)`` (a classmethod) so that ``explain`` reports more than its declared capabilities.
+    else no options. A ``BackendBase`` subclass answers "auto" and ``explain`` without being
+    created (``environment_reasons``, ``reasons_for(layer, layout, device, options)``); so does
+    any factory with those classmethods (``attnsdk.BackendClass``).
 
     >>> from attnsdk.backends.reference import ReferenceBackend, ReferenceOptions
     >>> handle = register_backend(

@@ -272,31 +272,31 @@ class FlashInferBackend(BackendBase):
             )
         return reasons
 
-    def unsupported_reasons(
-        self,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
+    @classmethod
+    def option_reasons(
+        cls,
+        options: FlashInferOptions,
+        layer: LayerSpec | None,
+        layout: KVCacheLayout | None,
+        device: torch.device,
     ) -> list[Reason]:
-        reasons = self.reasons_for(layer, layout, device)
+        """What the CUDA-core decode kernel (``decode="cuda_cores"``) is not compiled for."""
         cuda_cores = (
             layer is not None
-            and self.options.decode == "cuda_cores"
+            and options.decode == "cuda_cores"
             and not layer.has_sinks
             and layer.head_dim == layer.v_dim  # else the prefill wrapper decodes it
         )
-        if cuda_cores and layer is not None:
-            hint = "with decode='cuda_cores'; use decode='tensor_cores'"
-            if layer.group_size not in _CUDA_CORE_GROUPS:
-                reasons.append(
-                    Reason(
-                        _CFG,
-                        "num_heads",
-                        f"num_heads / num_kv_heads must be one of {sorted(_CUDA_CORE_GROUPS)} "
-                        f"{hint}, found {layer.group_size}",
-                    )
-                )
-        return sorted(reasons)
+        if not cuda_cores or layer is None or layer.group_size in _CUDA_CORE_GROUPS:
+            return []
+        return [
+            Reason(
+                _CFG,
+                "num_heads",
+                f"num_heads / num_kv_heads must be one of {sorted(_CUDA_CORE_GROUPS)} with "
+                f"decode='cuda_cores'; use decode='tensor_cores', found {layer.group_size}",
+            )
+        ]
 
     def layer_state(self, layer: LayerSpec, layout: KVCacheLayout) -> _Variant:
         return _Variant(

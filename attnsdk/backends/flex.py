@@ -58,7 +58,6 @@ from pydantic import BaseModel, ConfigDict
 from attnsdk._backend import Plan
 from attnsdk._base import BackendBase
 from attnsdk._capabilities import Capabilities, Feature, GraphSupport, Reason, ReasonKind
-from attnsdk._capabilities import default_device as _default_device
 from attnsdk._errors import InvalidInputError
 from attnsdk._kv import KVOrder
 from attnsdk._validate import check_pages
@@ -183,15 +182,18 @@ class FlexBackend(BackendBase):
             ]
         return []
 
-    def unsupported_reasons(
-        self,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
+    @classmethod
+    def option_reasons(
+        cls,
+        options: FlexOptions,
+        layer: LayerSpec | None,
+        layout: KVCacheLayout | None,
+        device: torch.device,
     ) -> list[Reason]:
-        reasons = self.reasons_for(layer, layout, device)
-        dev = torch.device(device) if device is not None else _default_device(self.capabilities)
-        if layer is not None and layer.has_sinks and dev.type == "cpu" and self._compiles(dev):
+        """What compiled flex cannot do where it compiles."""
+        reasons = []
+        compiles = _compiles(options, device)
+        if layer is not None and layer.has_sinks and device.type == "cpu" and compiles:
             reasons.append(
                 Reason(
                     _CFG,
@@ -201,7 +203,7 @@ class FlexBackend(BackendBase):
                 )
             )
         fp32 = layout is not None and layout.dtype == torch.float32
-        if fp32 and dev.type == "cuda" and self._compiles(dev):
+        if fp32 and device.type == "cuda" and compiles:
             reasons.append(
                 Reason(
                     _CFG,
@@ -211,11 +213,10 @@ class FlexBackend(BackendBase):
                     "or fp16, or FlexOptions(compile=False)",
                 )
             )
-        return sorted(reasons)
+        return reasons
 
     def _compiles(self, device: torch.device) -> bool:
-        wanted = self.options.compile
-        return device.type == "cuda" if wanted is None else wanted
+        return _compiles(self.options, device)
 
     def layer_state(self, layer: LayerSpec, layout: KVCacheLayout) -> _Static:
         g = layer.group_size
@@ -557,3 +558,8 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
             return run(*args)
 
     return eager
+
+
+def _compiles(options: FlexOptions, device: torch.device) -> bool:
+    """Whether flex runs compiled on ``device`` with ``options`` (None: on CUDA only)."""
+    return device.type == "cuda" if options.compile is None else options.compile

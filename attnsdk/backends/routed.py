@@ -128,10 +128,12 @@ class RoutedBackend:
         layer: LayerSpec | None = None,
         layout: KVCacheLayout | None = None,
         device: torch.device | str | None = None,
+        options: BaseModel | None = None,
     ) -> list[Reason]:
         """Empty when every route has a candidate serving the request; else, per route with
         none, every candidate's reasons (field ``<kind>.<backend>.<field>``)."""
-        return _route_reasons(RoutedOptions(), [layer] if layer else [], layout, device)[1]
+        routes = options if isinstance(options, RoutedOptions) else RoutedOptions()
+        return _route_reasons(routes, [layer] if layer else [], layout, device)[1]
 
     def unsupported_reasons(
         self,

@@ -167,6 +167,12 @@ def test_compiled_cpu_refuses_sinks_with_a_reason() -> None:
     assert [r.field for r in reasons] == ["has_sinks"]
     assert "compile=False" in reasons[0].message
     assert eager.unsupported_reasons(layer, layout, "cpu") == []
+    # explain and the registry see the configured options without creating the backend.
+    compiled_config = A.AttentionConfig(backend="flex", compile=True)
+    assert [r.field for r in A.explain(compiled_config, layer, layout, "cpu")["flex"]] == [
+        "has_sinks"
+    ]
+    assert A.explain("flex", layer, layout, "cpu") == {"flex": []}
 
 
 def test_registered_and_options() -> None:

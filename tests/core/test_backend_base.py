@@ -162,3 +162,46 @@ def test_a_backend_without_attend_says_so() -> None:
     batch = make_batch(BatchSpec(query_lens=(1,), seq_lens=(3,)), GQA, LAYOUT, seed=3)
     with pytest.raises(NotImplementedError, match="Lazy must implement attend"):
         batch.run(Lazy())
+
+
+class StrictOptions(A.NoOptions):
+    no_gqa: bool = True
+    """Refuse grouped-query layers (a kernel variant this option would select)."""
+
+
+class Strict(Dense):
+    name = "strict"
+    Options = StrictOptions
+
+    def __init__(self, options: StrictOptions | None = None) -> None:
+        A.BackendBase.__init__(self, options)
+        self.calls = []
+
+    @classmethod
+    def option_reasons(cls, options, layer, layout, device):  # type: ignore[no-untyped-def]
+        if options.no_gqa and layer is not None and layer.group_size > 1:
+            return [A.Reason(A.ReasonKind.CONFIGURATION, "num_heads", "no GQA with no_gqa")]
+        return []
+
+
+def test_option_reasons_follow_the_options_everywhere() -> None:
+    lenient = StrictOptions(no_gqa=False)
+    assert [r.field for r in Strict.reasons_for(GQA, LAYOUT, "cpu")] == ["num_heads"]
+    assert Strict.reasons_for(GQA, LAYOUT, "cpu", lenient) == []
+    assert [r.field for r in Strict().unsupported_reasons(GQA, LAYOUT, "cpu")] == ["num_heads"]
+    assert Strict(lenient).unsupported_reasons(GQA, LAYOUT, "cpu") == []
+    registration = A.register_backend("strict-test", Strict, priority=1000)
+    try:
+        configured = A.AttentionConfig(backend="strict-test", no_gqa=False)
+        assert A.explain(configured, GQA, LAYOUT, "cpu") == {"strict-test": []}
+        assert [r.field for r in A.explain("strict-test", GQA, LAYOUT, "cpu")["strict-test"]] == [
+            "num_heads"
+        ]
+        # "auto" creates defaults, so it passes over a backend its default options refuse.
+        chosen = A.create_backend("auto", device="cpu", layers=[GQA], layout=LAYOUT)
+        assert chosen.name != "strict"
+        plain = A.LayerSpec(num_heads=2, num_kv_heads=2, head_dim=16)
+        chosen = A.create_backend("auto", device="cpu", layers=[plain], layout=LAYOUT)
+        assert chosen.name == "strict"
+    finally:
+        registration.remove()
