@@ -14,7 +14,8 @@ How a step maps onto FlexAttention (shape legend of ``attnsdk._backend``; Bb, Lb
   ``page_table[b, page_pos[n]] == n``, so a row never counts another sequence's page (the eager
   path ignores block sparsity, so the mask must be complete on its own). A page read by two
   sequences of one step must therefore sit at the same logical index in both, which prefix
-  sharing (SGLang's radix cache, vLLM's prefix caching) does; a [B, N] table would lift that
+  sharing (SGLang's radix cache, vLLM's prefix caching) does (a page table that breaks the rule
+  is refused on the CPU, where checking costs no sync; on CUDA it is not checked yet); a [B, N] table would lift that
   rule but costs B*N*4 bytes per step (1 GiB at B=256 and a million pages).
 - **Queries: one row per sequence**, (Bb, Hq, Lb, D) with Lb = next power of two >= the longest
   query. This suits decode and speculative verify (on CUDA flex uses its split-KV decoding kernel
@@ -58,7 +59,7 @@ from pydantic import BaseModel, ConfigDict
 from attnsdk._backend import Plan
 from attnsdk._base import BackendBase
 from attnsdk._capabilities import Capabilities, Feature, GraphSupport, Reason, ReasonKind
-from attnsdk._errors import InvalidInputError
+from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._kv import KVOrder
 from attnsdk._validate import check_pages
 from attnsdk.backends._gpu import DeviceKVStore
@@ -256,6 +257,7 @@ class FlexBackend(BackendBase):
         # CUDA page ids are clamped into the pool instead (no read outside the cache).
         if cache.device.type == "cpu":
             check_pages(plan.metadata, cache.layout.page_size, cache.num_pages)
+            _check_shared_pages(plan.metadata, cache.layout.page_size, cache.num_pages)
 
     # -- per layer --------------------------------------------------------------------------
 
@@ -563,3 +565,25 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
 def _compiles(options: FlexOptions, device: torch.device) -> bool:
     """Whether flex runs compiled on ``device`` with ``options`` (None: on CUDA only)."""
     return device.type == "cuda" if options.compile is None else options.compile
+
+
+def _check_shared_pages(meta: AttentionMetadata, page_size: int, num_pages: int) -> None:
+    """A page two sequences read must sit at one logical index in both (``page_pos`` holds one
+    index per page). Checked where it costs no device sync (CPU); on CUDA it is the documented
+    rule of this backend."""
+    seq = meta.seq_lens_cpu.long()
+    pt = meta.page_table.long()
+    cols = torch.arange(pt.shape[1])
+    used = cols[None, :] < ((seq + page_size - 1) // page_size)[:, None]
+    pages, logical = pt[used], cols.expand_as(pt)[used]
+    first = torch.full((num_pages,), -1, dtype=torch.long)
+    first.scatter_(0, pages, logical)
+    clash = first[pages] != logical
+    if bool(clash.any()):
+        page = int(pages[clash][0])
+        raise InvalidMetadataError(
+            "page_table",
+            "each page at one logical index in every sequence that reads it (the flex backend "
+            "maps a page to one position per step)",
+            f"page {page} at logical indices {sorted(set(logical[pages == page].tolist()))}",
+        )

@@ -30,14 +30,14 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from attnsdk._backend import Backend, Plan
 from attnsdk._capabilities import Capabilities, Reason, ReasonKind
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
+from attnsdk._kv import KVCache, KVCacheLayout
+from attnsdk._layer import LayerSpec
 from attnsdk._validate import check_metadata
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from attnsdk._graph import GraphBuffers
-    from attnsdk._kv import KVCache, KVCacheLayout
-    from attnsdk._layer import LayerSpec
     from attnsdk._metadata import AttentionMetadata
 
 __all__ = ["KINDS", "RoutedBackend", "RoutedOptions", "RoutedPlan", "step_kind"]
@@ -113,6 +113,8 @@ class RoutedBackend:
         self._passed_over: dict[str, dict[str, list[Reason]]] = {k: {} for k in KINDS}
         self.routes: dict[str, str] = {}
         """Step kind -> the backend name it runs on."""
+        self._served: set[tuple[LayerSpec, KVCacheLayout]] = set()
+        """(layer, layout) pairs every route serves, checked at their first forward."""
         self._choose(layers=(), layout=None, device=None)
 
     # -- class side (the registry asks before creating one) -------------------------------
@@ -141,7 +143,14 @@ class RoutedBackend:
         layout: KVCacheLayout | None = None,
         device: torch.device | str | None = None,
     ) -> list[Reason]:
-        return _route_reasons(self.options, [layer] if layer else [], layout, device)[1]
+        """What the backends the routes hold now cannot serve (field ``<kind>.<field>``): a
+        step runs on its kind's backend, whatever other candidates could do. ``prepare`` with
+        the model re-routes to candidates that serve every layer."""
+        found = set()
+        for kind in KINDS:
+            for r in self._backends[kind].unsupported_reasons(layer, layout, device):
+                found.add(Reason(r.kind, f"{kind}.{r.field}", r.message))
+        return sorted(found)
 
     # -- once per model -------------------------------------------------------------------
 
@@ -202,6 +211,17 @@ class RoutedBackend:
         if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
             found = type(plan).__name__
             raise InvalidInputError("plan", "a RoutedPlan from this backend's plan()", found)
+        typed = isinstance(layer, LayerSpec) and isinstance(cache, KVCache)
+        key = (layer, cache.layout) if typed else None  # else the route's checks name it
+        if key is not None and key not in self._served:
+            # Every route must serve the layer, not only this step's: a model whose prefill
+            # route cannot serve it fails at its first step, not at its first prefill.
+            reasons = self.unsupported_reasons(layer, cache.layout, cache.device)
+            if reasons:
+                raise UnsupportedConfigError(
+                    "the routed backend cannot run this layer on every route:", reasons
+                )
+            self._served.add(key)
         return plan.backend.forward(
             q,
             k,
@@ -280,6 +300,7 @@ class RoutedBackend:
             self._backends[kind] = by_name[name]
         self.routes = dict(chosen)
         self._passed_over = passed
+        self._served = set()
         # Graphs run on the decode route: its capabilities (graph support too) are ours.
         self.capabilities = self._backends["decode"].capabilities
 

@@ -207,3 +207,19 @@ def test_compiled_matches_and_does_not_recompile_within_a_bucket() -> None:
     assert len(backend.compile_stats) == 1, backend.compile_stats
     assert counters["stats"]["unique_graphs"] == frames_before
     assert backend.compile_stats[0].seconds > 0
+
+
+def test_a_page_at_two_logical_indices_is_refused_before_anything_is_written() -> None:
+    layer, layout = layer_and_layout()
+    cache = layout.allocate(8)
+    # Sequence 1 reads page 3 as its second page, sequence 0 as its first: flex maps one
+    # position per page, so this would silently lose keys.
+    meta = A.AttentionMetadata.from_seqlens(
+        [1, 1], [5, 20], page_table=[[3, 0], [2, 3]], page_size=16
+    )
+    q = torch.randn(2, 4, 16)
+    k = torch.randn(2, 2, 16)
+    before = cache.k.clone()
+    with pytest.raises(A.InvalidMetadataError, match="page 3 at logical indices"):
+        eager.forward(q, k, k.clone(), cache, eager.plan(meta), layer)
+    assert torch.equal(cache.k, before)

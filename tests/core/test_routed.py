@@ -225,3 +225,19 @@ def test_debug_mode_s_sync_check_reaches_every_route() -> None:
         for h in handles:
             h.remove()
     assert sorted(checked) == ["dec", "pre"]
+
+
+def test_a_layer_one_route_cannot_serve_is_refused_at_the_first_step(
+    three: dict[str, type[ReferenceBackend]], fast_no_softcap: type
+) -> None:
+    config = A.AttentionConfig(backend="routed", decode="dec", prefill="nocap", mixed="mix")
+    backend = A.create_backend(config, device="cpu")
+    assert [r.field for r in backend.unsupported_reasons(SOFTCAP, LAYOUT, "cpu")] == [
+        "prefill.softcap"
+    ]
+    batch = make_batch(BatchSpec((1, 1), (5, 9)), SOFTCAP, LAYOUT, seed=4)  # a decode step
+    before = batch.cache.k.clone()
+    plan = backend.plan(batch.metadata)
+    with pytest.raises(A.UnsupportedConfigError, match="every route"):
+        backend.forward(batch.q, batch.k, batch.v, batch.cache, plan, SOFTCAP)
+    assert torch.equal(batch.cache.k, before)
