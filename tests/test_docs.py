@@ -14,6 +14,9 @@ import pytest
 
 from attnsdk import AutoOptions, _registry
 from attnsdk.backends.fa3 import FA3Options
+from attnsdk.backends.flashinfer import FlashInferOptions
+from attnsdk.backends.flex import FlexOptions
+from attnsdk.backends.routed import RoutedOptions
 from attnsdk.backends.reference import ReferenceOptions
 
 if TYPE_CHECKING:
@@ -86,6 +89,9 @@ END = "<!-- end backend options -->\n"
 OPTION_MODELS: list[tuple[str, type[BaseModel], str]] = [
     ("reference", ReferenceOptions, "attnsdk.backends.reference.ReferenceOptions"),
     ("fa3", FA3Options, "attnsdk.backends.fa3.FA3Options"),
+    ("flashinfer", FlashInferOptions, "attnsdk.backends.flashinfer.FlashInferOptions"),
+    ("flex", FlexOptions, "attnsdk.backends.flex.FlexOptions"),
+    ("routed", RoutedOptions, "attnsdk.backends.routed.RoutedOptions"),
     ("auto", AutoOptions, "attnsdk.AutoOptions"),
 ]
 
