@@ -16,8 +16,8 @@ from attnsdk import AutoOptions, _registry
 from attnsdk.backends.fa3 import FA3Options
 from attnsdk.backends.flashinfer import FlashInferOptions
 from attnsdk.backends.flex import FlexOptions
-from attnsdk.backends.routed import RoutedOptions
 from attnsdk.backends.reference import ReferenceOptions
+from attnsdk.backends.routed import RoutedOptions
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
