@@ -17,9 +17,16 @@ HEAVY = (
     "vllm",
     "triton",
     "flashinfer",
+    "transformers",
 )
 
-MODULES = ("attnsdk", "attnsdk.adapters", "attnsdk.backends.reference", "attnsdk.testing")
+MODULES = (
+    "attnsdk",
+    "attnsdk.adapters",
+    "attnsdk.backends.reference",
+    "attnsdk.testing",
+    "attnsdk.integrations.transformers",  # imports transformers in register(), not before
+)
 
 # One fresh interpreter; the report says which heavy modules appeared after each import, in
 # order, so the first offender is the module that pulled them in.

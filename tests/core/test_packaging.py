@@ -63,6 +63,8 @@ def test_dependencies_are_imported_and_extras_match_their_imports() -> None:
     assert extras["testing"] == ["hypothesis>=6", "pytest>=7"]
     assert extras["fa3"] == ["tokenspeed-fa3"]
     assert "attnsdk[testing]" in extras["dev"]
+    assert extras["transformers"] == ["transformers>=5.17"]
+    assert "attnsdk[transformers]" in extras["dev"]  # CI runs tests/integrations
     assert {"sphinx", "myst-parser"} <= {d.split("=")[0] for d in extras["docs"]}
     # hypothesis only where the testing extra says, behind an error that names it.
     users = [p for p in _python_files() if "hypothesis" in _imported_modules(p)]
