@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The whole GPU pass on the lent H200, from the repository root, in one device call:
+#
+#   bash tests/gpu/run_sharded.sh                 # tests only (~4 min with FlashInfer JIT)
+#   BENCH=1 bash tests/gpu/run_sharded.sh         # then attnsdk bench (decode, prefill, mixed)
+#
+# Needs .gpu/site.tar.xz (../shared/gpu/stage-site.sh) and .gpu/flashinfer.tar.xz
+# (../shared/gpu/stage-flashinfer.sh), carried with `carry: [".gpu"]`. Logs and JSON go to $OUT.
+# Each shard is its own process: a CUDA error (an illegal address poisons the whole context)
+# fails one shard, not every test after it. FlashInfer variants JIT-compile on first use
+# (8-30 s each), which is why the flashinfer shards get the longest limit.
+set -u
+OUT=${OUT:-/tmp/attnsdk-gpu}
+mkdir -p "$OUT" /tmp/site /tmp/fi
+tar -xJf .gpu/site.tar.xz -C /tmp/site
+[ -f .gpu/flashinfer.tar.xz ] && tar -xJf .gpu/flashinfer.tar.xz -C /tmp/fi
+export PYTHONPATH=/tmp/site:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws \
+    FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+python -m pip install -q --no-deps --no-build-isolation -e . || exit 9
+LIMIT=${LIMIT:-420}
+
+shard() {
+    local name=$1
+    shift
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rs -rf --durations=5 "$@" \
+        > "$OUT/$name.log" 2>&1
+    echo "rc=$?" >> "$OUT/$name.log"
+}
+
+shard flashinfer_ref tests/gpu/test_flashinfer.py -k matches_reference &
+shard flashinfer_rest tests/gpu/test_flashinfer.py -k "not matches_reference" &
+shard flashinfer_conformance tests/gpu/test_conformance_flashinfer.py &
+shard flex tests/gpu/test_flex_gpu.py tests/gpu/test_conformance_flex_cuda.py &
+shard fa3 tests/gpu/test_fa3.py tests/gpu/test_fuzz.py tests/gpu/test_graphs.py \
+    tests/gpu/test_sglang_fa3.py tests/gpu/test_vllm_fa3.py tests/gpu/test_conformance_fa3.py &
+wait
+
+status=0
+for f in "$OUT"/*.log; do
+    echo "== $(basename "$f" .log)"
+    grep -E "^(FAILED|ERROR)" "$f" | head -10
+    grep -E "[0-9]+ (passed|failed|skipped)" "$f" | tail -1
+    grep -q "^rc=0$" "$f" || status=1
+done
+
+if [ "${BENCH:-0}" = 1 ]; then
+    for suite in decode prefill mixed; do
+        timeout 200 python -m attnsdk bench --suite "$suite" --out "$OUT/bench" \
+            > "$OUT/bench_$suite.txt" 2>&1 || status=1
+        tail -22 "$OUT/bench_$suite.txt"
+    done
+fi
+exit $status
