@@ -139,14 +139,17 @@ def register_backend(
     name: str,
     factory: Factory | str,
     *,
-    priority: int = 0,
+    priority: int | None = None,
     options: type[BaseModel] | str | None = None,
     replace: bool = False,
+    auto: bool = True,
 ) -> Registration:
     """Register a backend under ``name``; nothing is imported or created until it is used.
 
     ``factory(options) -> Backend`` may be a class or a ``"module:attr"`` path. ``"auto"`` picks
-    the highest ``priority`` that can run. ``options`` is the pydantic model that validates the
+    the highest ``priority`` that can run; None reads the factory's ``priority`` attribute (as
+    for entry-point plugins), else 0. ``auto=False`` registers a backend that is asked for by
+    name only (a composite such as ``routed``). ``options`` is the pydantic model that validates the
     backend's options in an ``AttentionConfig``; None means the factory's ``Options`` attribute,
     else no options. A ``BackendBase`` subclass answers "auto" and ``explain`` without being
     created (``environment_reasons``, ``reasons_for(layer, layout, device, options)``); so does
@@ -171,8 +174,12 @@ def register_backend(
         raise InvalidInputError(
             "factory", "a callable (options) -> Backend or a 'module:attr' path", repr(factory)
         )
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise InvalidInputError("priority", "an int (higher wins in 'auto')", repr(priority))
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise InvalidInputError(
+            "priority", "an int (higher wins in 'auto') or None (the factory's)", repr(priority)
+        )
+    if not isinstance(auto, bool):
+        raise InvalidInputError("auto", "True or False", repr(auto))
     if isinstance(options, str):
         _check_path("options", options)
     elif options is not None and not (isinstance(options, type) and issubclass(options, BaseModel)):
@@ -181,7 +188,7 @@ def register_backend(
         )
     if not isinstance(replace, bool):
         raise InvalidInputError("replace", "True or False", repr(replace))
-    entry = _Entry(name, factory, priority, options)
+    entry = _Entry(name, factory, priority, options, auto=auto)
     _load_plugins()
     with _LOCK:
         if name in _REGISTRY and not replace:

@@ -508,3 +508,20 @@ def test_a_plugin_registering_at_import_never_deadlocks_a_lookup(
     assert "slow" in names[0]
     assert "slow-extra" in A.backend_names()
     sys.modules.pop("attnsdk_slow_plugin", None)
+
+
+def test_register_reads_the_class_priority_and_can_keep_a_backend_out_of_auto() -> None:
+    from attnsdk.backends.reference import ReferenceBackend
+
+    class Eager(ReferenceBackend):
+        name = "eager-ref"
+        priority = 1000
+
+    A.register_backend("eager-ref", Eager)  # priority None: the class's 1000
+    assert A.backend_names()[0] == "eager-ref"
+    assert A.create_backend("auto", device="cpu").name == "eager-ref"
+    A.register_backend("eager-ref", Eager, auto=False, replace=True)
+    assert "eager-ref" in A.backend_names()
+    assert "eager-ref" not in A.explain("auto", device="cpu")
+    assert A.create_backend("auto", device="cpu").name == "reference"
+    assert A.create_backend("eager-ref").name == "eager-ref"
