@@ -9,6 +9,10 @@ OpenMP's spinning worker threads made it many times slower (test_random_batches:
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,3 +73,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = _skip_reason(item) or _flashinfer_skip_reason(item)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def mini_engine() -> Any:
+    """examples/mini_engine.py as a module (an example script, not part of the package)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "mini_engine.py"
+    spec = importlib.util.spec_from_file_location("mini_engine", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module

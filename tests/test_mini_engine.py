@@ -7,9 +7,6 @@ token budget, so it is prefilled in chunks next to decodes); fp32 on the CPU, re
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,29 +16,13 @@ transformers = pytest.importorskip("transformers", minversion="5.17")
 
 import attnsdk as A  # noqa: E402
 
-PATH = Path(__file__).resolve().parents[1] / "examples" / "mini_engine.py"
 NEW_TOKENS = 16
 PROMPT_LENS = (7, 45, 3, 20)
 ARRIVALS = {0: (0, 1), 2: (2,), 5: (3,)}  # step -> request ids
 
 
-def _load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("mini_engine", PATH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def mini() -> Any:
-    return _load_example()
-
-
-@pytest.fixture(scope="module")
-def served(mini: Any) -> dict[str, Any]:
+def served(mini_engine: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=64,
@@ -66,10 +47,10 @@ def served(mini: Any) -> dict[str, Any]:
         expected.append(out[0, len(prompt) :].tolist())
 
     backend = A.create_backend("reference")
-    engine = mini.MiniEngine(
+    engine = mini_engine.MiniEngine(
         model, backend, num_pages=48, page_size=4, max_batch=8, token_budget=32
     )
-    requests = [mini.Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
+    requests = [mini_engine.Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
     arrivals = {step: [requests[i] for i in ids] for step, ids in ARRIVALS.items()}
     results = engine.run(arrivals)
     return {"engine": engine, "requests": requests, "results": results, "expected": expected}
@@ -98,14 +79,14 @@ def test_pages_are_all_freed(served: dict[str, Any]) -> None:
     assert all(not req.pages for req in served["requests"])
 
 
-def test_attention_needs_the_step(mini: Any, served: dict[str, Any]) -> None:
+def test_attention_needs_the_step(mini_engine: Any, served: dict[str, Any]) -> None:
     model = served["engine"].model
     with pytest.raises(A.UnsupportedConfigError, match="attnsdk_step"):
         model(input_ids=torch.tensor([[1, 2]]), use_cache=False)
 
 
-def test_allocator_keeps_page_zero(mini: Any) -> None:
-    alloc = mini.PageAllocator(4)
+def test_allocator_keeps_page_zero(mini_engine: Any) -> None:
+    alloc = mini_engine.PageAllocator(4)
     pages = alloc.allocate(3)
     assert sorted(pages) == [1, 2, 3]
     with pytest.raises(RuntimeError, match="1 pages, 0 free"):

@@ -3,6 +3,8 @@
 #
 #   bash tests/gpu/run_sharded.sh                 # tests only (~4 min with FlashInfer JIT)
 #   BENCH=1 bash tests/gpu/run_sharded.sh         # then attnsdk bench (decode, prefill, mixed)
+#   ENGINE=1 bash tests/gpu/run_sharded.sh        # then examples/mini_engine.py and the
+#                                                 # end-to-end benchmarks/bench_engine.py
 #
 # Needs .gpu/site.tar.xz (../shared/gpu/stage-site.sh) and .gpu/flashinfer.tar.xz
 # (../shared/gpu/stage-flashinfer.sh), carried with `carry: [".gpu"]`. Logs and JSON go to $OUT.
@@ -31,6 +33,7 @@ shard flashinfer_ref tests/gpu/test_flashinfer.py -k matches_reference &
 shard flashinfer_rest tests/gpu/test_flashinfer.py -k "not matches_reference" &
 shard flashinfer_conformance tests/gpu/test_conformance_flashinfer.py &
 shard flex tests/gpu/test_flex_gpu.py tests/gpu/test_conformance_flex_cuda.py &
+shard models tests/gpu/test_models_gpu.py &
 shard fa3 tests/gpu/test_fa3.py tests/gpu/test_fuzz.py tests/gpu/test_graphs.py \
     tests/gpu/test_sglang_fa3.py tests/gpu/test_vllm_fa3.py tests/gpu/test_conformance_fa3.py &
 wait
@@ -49,5 +52,12 @@ if [ "${BENCH:-0}" = 1 ]; then
             > "$OUT/bench_$suite.txt" 2>&1 || status=1
         tail -22 "$OUT/bench_$suite.txt"
     done
+fi
+if [ "${ENGINE:-0}" = 1 ]; then
+    timeout 60 python examples/mini_engine.py > "$OUT/mini_engine.txt" 2>&1 || status=1
+    tail -3 "$OUT/mini_engine.txt"
+    timeout 400 python -m benchmarks.bench_engine --out "$OUT/engine" \
+        > "$OUT/bench_engine.txt" 2>&1 || status=1
+    tail -12 "$OUT/bench_engine.txt"
 fi
 exit $status
