@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 ATTN_IMPL = "mini_engine"
-"""The name the engine registers its attention (and mask) function under in transformers."""
+"""The name the engine registers its attention function under in transformers."""
 
 
 # -- 1. pages ----------------------------------------------------------------------------------
@@ -240,17 +240,14 @@ def attention(
     return out.unsqueeze(0), None
 
 
-def no_mask(*args: Any, **kwargs: Any) -> None:
-    """The mask function: none. Causality, windows and sequence boundaries come from the metadata."""
-    return None
-
-
 def register_attention() -> None:
+    """Register ``attention`` under ``ATTN_IMPL``, and no mask function: for a name without one,
+    transformers builds no mask (causality, windows and sequence boundaries come from the
+    metadata) and skips its packed-sequence detection, which reads the positions back to the host
+    (a device sync every step)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPL, attention)
-    AttentionMaskInterface.register(ATTN_IMPL, no_mask)
 
 
 # -- 5. the engine -----------------------------------------------------------------------------
