@@ -3,9 +3,10 @@
 - ``module_present`` / ``first_present``: is a kernel package installed? Path lookups only, so
   asking never imports a kernel library (``find_spec`` on a dotted name would import the
   parent package).
+- ``DeviceFlag``: a device-side error flag that kernels and device ops set and ``poll()`` (called
+  from every plan) reads back without a sync.
 - ``DeviceKVStore``: writes new K/V with one Triton launch (``_triton_store``), quantising when
-  the cache stores fp8, and reports slots past the cache through a per-device ``SlotGuard``
-  that ``poll()`` (called from every plan) reads back without a sync.
+  the cache stores fp8, and reports slots past the cache through a per-device ``DeviceFlag``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnsdk._errors import InvalidMetadataError
+
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from attnsdk._kv import KVCache
     from attnsdk._metadata import AttentionMetadata
-    from attnsdk.backends._triton_store import SlotGuard
 
-__all__ = ["DeviceKVStore", "first_present", "module_present"]
+__all__ = ["DeviceFlag", "DeviceKVStore", "first_present", "module_present"]
 
 _FP8_MAX = {
     torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),
@@ -47,18 +49,74 @@ def first_present(names: Iterable[str]) -> str | None:
     return next((n for n in names if module_present(n)), None)
 
 
+class DeviceFlag:
+    """A bad value found on the device (a slot past the cache, a page read twice), reported on
+    the host without a device sync.
+
+    ``flag`` is an int64 (1,) device tensor holding the largest bad value (-1: none); device
+    code max-reduces into it. ``poll()`` runs from every ``plan``; one call in ``POLL_EVERY``
+    starts a non-blocking copy of the flag to pinned host memory and records an event (~15 us
+    of host time, which amortised costs ~1 us a step), and a later poll reads the copy once that
+    event has completed and raises ``error(value, when)``. So a bad value is reported within
+    about ``2 * POLL_EVERY`` steps of the step that carried it. ``check_now()`` syncs and
+    reports at once (debug mode).
+    """
+
+    POLL_EVERY = 16
+
+    def __init__(self, device: torch.device, error: Callable[[int, str], Exception]) -> None:
+        self.flag = torch.full((1,), -1, dtype=torch.int64, device=device)
+        self._error = error
+        self._host = torch.full((1,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+        self._calls = 0
+
+    def poll(self) -> None:
+        # Inside CUDA-graph capture nothing may query or record events: nothing to do there.
+        if self._event is None or torch.cuda.is_current_stream_capturing():
+            return
+        self._calls += 1
+        if self._pending:
+            if not self._event.query():
+                return
+            self._pending = False
+            self._raise_if_bad(int(self._host[0]), "reported by a later step's plan")
+        if self._calls >= self.POLL_EVERY:
+            self._calls = 0
+            self._host.copy_(self.flag, non_blocking=True)
+            self._event.record()
+            self._pending = True
+
+    def check_now(self) -> None:
+        self._raise_if_bad(int(self.flag[0]), "reported at once: debug mode")
+
+    def _raise_if_bad(self, value: int, when: str) -> None:
+        if value < 0:
+            return
+        self.flag.fill_(-1)
+        raise self._error(value, when)
+
+
+def _slot_past_the_cache(slot: int, when: str) -> Exception:
+    return InvalidMetadataError(
+        "slot_mapping",
+        "slots < num_pages * page_size of the cache",
+        f"slot {slot}",
+        f"The KV store skipped it, nothing was written outside the cache ({when})",
+    )
+
+
 class DeviceKVStore:
-    """The KV store of GPU backends, with one ``SlotGuard`` per device."""
+    """The KV store of GPU backends, with one ``DeviceFlag`` for bad slots per device."""
 
     def __init__(self) -> None:
-        self._guards: dict[torch.device, SlotGuard] = {}
+        self._guards: dict[torch.device, DeviceFlag] = {}
 
-    def guard(self, device: torch.device) -> SlotGuard:
+    def guard(self, device: torch.device) -> DeviceFlag:
         guard = self._guards.get(device)
         if guard is None:
-            from attnsdk.backends._triton_store import SlotGuard  # imports Triton
-
-            guard = self._guards[device] = SlotGuard(device)
+            guard = self._guards[device] = DeviceFlag(device, _slot_past_the_cache)
         return guard
 
     def poll(self, device: torch.device) -> None:

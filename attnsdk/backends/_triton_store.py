@@ -7,19 +7,20 @@ V, quantising to fp8 with a per-tensor or per-head scale on the way. Strides com
 tensors, so NHD, HND and packed K‖V caches and non-contiguous new K/V all work.
 
 A slot past the cache is never written: the program records it in a device flag
-(``SlotGuard``) instead, which the backend reports as ``InvalidMetadataError`` without a device
-sync at a later ``plan`` (at once in debug mode).
+(``attnsdk.backends._gpu.DeviceFlag``) instead, which the backend reports as
+``InvalidMetadataError`` without a device sync at a later ``plan`` (at once in debug mode).
 """
 # mypy: disable-error-code="no-untyped-def"
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from attnsdk._errors import BackendUnavailableError
 
-from attnsdk._errors import BackendUnavailableError, InvalidMetadataError
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("attnsdk")
 
@@ -29,7 +30,7 @@ try:
 except ImportError:  # CPU-only torch ships without Triton; fa3 cannot run there anyway
     triton = None
 
-__all__ = ["SlotGuard", "store_kv"]
+__all__ = ["store_kv"]
 
 
 if triton is not None:
@@ -106,57 +107,6 @@ if triton is not None:
         tl.store(dst, y.to(v_cache.dtype.element_ty), mask=mask)
 
 
-class SlotGuard:
-    """Where the KV store reports slots past the cache, read back without a device sync.
-
-    ``flag`` is an int64 (1,) device tensor holding the largest rejected slot (-1: none).
-    ``poll()`` runs from every ``plan``; one call in ``POLL_EVERY`` starts a non-blocking copy of
-    the flag to pinned host memory and records an event (~15 us of host time, which amortised
-    costs ~1 us a step), and a later poll reads the copy once that event has completed and
-    raises. So a bad slot is never written and is reported within about ``2 * POLL_EVERY`` steps
-    of the step that carried it. ``check_now()`` syncs and reports at once (debug mode).
-    """
-
-    POLL_EVERY = 16
-
-    def __init__(self, device: torch.device) -> None:
-        self.flag = torch.full((1,), -1, dtype=torch.int64, device=device)
-        self._host = torch.full((1,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
-        self._pending = False
-        self._calls = 0
-
-    def poll(self) -> None:
-        # Inside CUDA-graph capture nothing may query or record events: nothing to do there.
-        if self._event is None or torch.cuda.is_current_stream_capturing():
-            return
-        self._calls += 1
-        if self._pending:
-            if not self._event.query():
-                return
-            self._pending = False
-            self._raise_if_bad(int(self._host[0]), "reported by a later step's plan")
-        if self._calls >= self.POLL_EVERY:
-            self._calls = 0
-            self._host.copy_(self.flag, non_blocking=True)
-            self._event.record()
-            self._pending = True
-
-    def check_now(self) -> None:
-        self._raise_if_bad(int(self.flag[0]), "reported at once: debug mode")
-
-    def _raise_if_bad(self, slot: int, when: str) -> None:
-        if slot < 0:
-            return
-        self.flag.fill_(-1)
-        raise InvalidMetadataError(
-            "slot_mapping",
-            "slots < num_pages * page_size of the cache",
-            f"slot {slot}",
-            f"The KV store skipped it, nothing was written outside the cache ({when})",
-        )
-
-
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -176,7 +126,7 @@ def store_kv(
     ``k``/``v`` may have any strides. ``k_cache`` / ``v_cache`` are (N, P, Hkv, D|Dv) views (any
     strides, last dim contiguous). ``quantize``: divide by the scales (fp32, 1 or Hkv elements;
     None: 1) and clamp to ±``fp8_max`` before the cast to the cache's fp8 dtype. A slot >= N * P
-    is skipped and max-reduced into ``bad_slot`` (an int64 (1,) device tensor, see ``SlotGuard``).
+    is skipped and max-reduced into ``bad_slot`` (an int64 (1,) device tensor, see ``DeviceFlag``).
     """
     if num_tokens == 0:
         return

@@ -62,7 +62,7 @@ from attnsdk._capabilities import Capabilities, Feature, GraphSupport, Reason, R
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._kv import KVOrder
 from attnsdk._validate import check_pages
-from attnsdk.backends._gpu import DeviceKVStore
+from attnsdk.backends._gpu import DeviceFlag, DeviceKVStore
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -164,6 +164,7 @@ class FlexBackend(BackendBase):
     def __init__(self, options: FlexOptions | None = None) -> None:
         super().__init__(options)
         self._store = DeviceKVStore()
+        self._page_flags: dict[torch.device, DeviceFlag] = {}
         self._functions: dict[tuple[object, ...], Callable[..., torch.Tensor]] = {}
         self._buckets: set[tuple[object, ...]] = set()
         self.compile_stats: list[CompileRecord] = []
@@ -236,17 +237,28 @@ class FlexBackend(BackendBase):
     def make_plan(self, meta: AttentionMetadata) -> FlexPlan:
         if meta.device.type == "cuda":
             self._store.poll(meta.device)
+            self._page_flag(meta.device).poll()
         return FlexPlan(meta)
 
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
         super().plan_for_replay(plan, meta)
         if meta.device.type == "cuda":
             self._store.poll(meta.device)
+            self._page_flag(meta.device).poll()
 
     def sync_check(self, device: torch.device) -> None:
-        """Raise now, with a device sync, what the KV store recorded (debug mode calls it)."""
+        """Raise now, with a device sync, what the KV store or the page check recorded (debug
+        mode calls it)."""
         if device.type == "cuda":
             self._store.check_now(device)
+            self._page_flag(device).check_now()
+
+    def _page_flag(self, device: torch.device) -> DeviceFlag:
+        """Where CUDA steps report a page they cannot read right (see ``_build_mask``)."""
+        flag = self._page_flags.get(device)
+        if flag is None:
+            flag = self._page_flags[device] = DeviceFlag(device, _bad_page)
+        return flag
 
     def check_step(self, plan: Plan, cache: KVCache) -> None:
         # The pool must be viewable as one KV sequence (an interleaved [N, 2, P, H, D] cache is
@@ -375,7 +387,9 @@ class FlexBackend(BackendBase):
             found = masks.get(key)
             if found is not None:
                 return found
-        built = _build_mask(plan.metadata, state, num_pages, t)
+        meta = plan.metadata
+        bad_page = self._page_flag(meta.device).flag if meta.device.type == "cuda" else None
+        built = _build_mask(meta, state, num_pages, t, bad_page)
         if masks is not None:
             masks[key] = built
         return built
@@ -407,8 +421,13 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
-def _build_mask(meta: AttentionMetadata, st: _Static, n: int, t: int) -> _StepMask:
-    """Per-step block mask inputs, on the device, from the metadata alone (no host sync)."""
+def _build_mask(
+    meta: AttentionMetadata, st: _Static, n: int, t: int, bad_page: torch.Tensor | None
+) -> _StepMask:
+    """Per-step block mask inputs, on the device, from the metadata alone (no host sync).
+
+    ``bad_page`` (CUDA): the ``DeviceFlag`` tensor that a page read wrongly is reported into.
+    """
     dev = meta.device
     p = st.page_size
     b = meta.num_seqs
@@ -437,6 +456,16 @@ def _build_mask(meta: AttentionMetadata, st: _Static, n: int, t: int) -> _StepMa
     page_pos = torch.zeros(n + 1, dtype=i32, device=dev)
     target = torch.where(used, pt, n).long().flatten()
     page_pos.scatter_(0, target, cols.expand(b, wpt).flatten())
+    if bad_page is not None:
+        # Ids are clamped into the pool and page_pos holds one logical index per page, so a
+        # page id outside the pool, or a page at two logical indices, would be read as some
+        # other key: reported through the flag instead (the CPU checks it before any write).
+        raw = meta.page_table.long()
+        wrong = used & (
+            (raw < 0) | (raw >= n) | (page_pos.gather(0, pt.flatten()).view_as(pt) != cols)
+        )
+        code = torch.where(raw < 0, _NEGATIVE - raw, raw)
+        bad_page.copy_(torch.maximum(bad_page, torch.where(wrong, code, -1).amax().view(1)))
 
     # Pages each (row, query block) may see, in logical order.
     j0 = torch.arange(nq, device=dev, dtype=i32)[None, :] * _Q_BLOCK  # (1, nq)
@@ -565,6 +594,21 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
 def _compiles(options: FlexOptions, device: torch.device) -> bool:
     """Whether flex runs compiled on ``device`` with ``options`` (None: on CUDA only)."""
     return device.type == "cuda" if options.compile is None else options.compile
+
+
+_NEGATIVE = 1 << 40
+"""Flag code of a negative page id ``p``: ``_NEGATIVE - p`` (the flag keeps the largest code)."""
+
+
+def _bad_page(code: int, when: str) -> Exception:
+    page = -(code - _NEGATIVE) if code >= _NEGATIVE else code
+    return InvalidMetadataError(
+        "page_table",
+        "page ids in [0, num_pages), each at one logical index in every sequence that reads it "
+        "(the flex backend maps a page to one position per step)",
+        f"page {page}",
+        f"That step's output was computed from other keys ({when})",
+    )
 
 
 def _check_shared_pages(meta: AttentionMetadata, page_size: int, num_pages: int) -> None:

@@ -165,3 +165,34 @@ def test_graph_replay_equals_eager(tokens_per_seq: int) -> None:
         replayed = runner(meta, q, k, v).clone()
         eager = backend.forward(q, k, v, eager_cache, backend.plan(meta), layer)
         assert_close_to_reference(replayed, eager)
+
+
+@pytest.mark.parametrize(
+    ("table", "page"),
+    [([[5, 6], [9, 5]], 5), ([[5, 6], [9, 400]], 400), ([[5, 6], [9, -3]], -3)],
+    ids=["page-at-two-indices", "page-past-the-pool", "negative-page"],
+)
+def test_a_page_read_wrongly_is_reported_by_a_later_plan(table: list[list[int]], page: int) -> None:
+    from attnsdk.backends._gpu import DeviceFlag
+
+    backend = FlexBackend()
+    layer, layout = _layer_layout(torch.bfloat16, 16)
+    cache = layout.allocate(64, DEV)
+    meta = A.AttentionMetadata.from_seqlens([1, 1], [20, 20], table, 16, device=DEV)
+    q = torch.randn(2, 16, 128, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(A.InvalidMetadataError, match=rf"page_table.*page {page}\b"):  # noqa: PT012
+        for _ in range(2 * DeviceFlag.POLL_EVERY + 1):
+            plan = backend.plan(meta)
+            backend.forward(q, None, None, cache, plan, layer)  # k = v = None: nothing written
+            torch.cuda.synchronize()
+
+
+def test_a_shared_prefix_page_is_not_reported() -> None:
+    backend = FlexBackend()
+    layer, layout = _layer_layout(torch.bfloat16, 16)
+    cache = layout.allocate(64, DEV)
+    meta = A.AttentionMetadata.from_seqlens([1, 1], [20, 20], [[5, 6], [5, 7]], 16, device=DEV)
+    q = torch.randn(2, 16, 128, device=DEV, dtype=torch.bfloat16)
+    for _ in range(40):
+        backend.forward(q, None, None, cache, backend.plan(meta), layer)
+    backend.sync_check(torch.device(DEV))  # raises what the flag holds
