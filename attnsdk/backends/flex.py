@@ -512,14 +512,17 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
 
     p, wl, causal, cap = st.page_size, st.window_left, st.causal, st.softcap
     aux = getattr(fa, "AuxRequest", None)
-    # Flex's split-KV decoding kernel packs a KV head's query heads only for power-of-two groups.
     kernel_options: dict[str, Any] | None = None
+    # The main kernel instead of flex's split-KV decoding kernel (CUDA).
+    main_kernel: dict[str, Any] | None = None
     if cuda:
         # Each KV block is one page: the kernel's KV tile must divide it (measured on an H200:
         # the default 64/128-wide tile fails to lower for 16-token pages).
         kernel_options = {"BLOCK_N": min(st.page_size, 64)}
+        main_kernel = {**kernel_options, "FORCE_USE_FLEX_ATTENTION": True}
+        # The decoding kernel packs a KV head's query heads only for power-of-two groups.
         if not st.gqa_pow2:
-            kernel_options["FORCE_USE_FLEX_ATTENTION"] = True
+            kernel_options = main_kernel
 
     def run(
         qp: torch.Tensor,
@@ -554,6 +557,12 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
             return torch.tanh(score / cap) * cap
 
         lq = qp.shape[2]
+        options = kernel_options
+        if main_kernel is not None and lq * (qp.shape[1] // k_pool.shape[1]) > _Q_BLOCK:
+            # The decoding kernel tiles a KV head's query rows times its query heads as one
+            # block that must divide the 128-row query block (no valid config otherwise:
+            # measured, 32 rows x 8 heads per KV head on an H200, torch 2.11).
+            options = main_kernel
         block_mask = fa.BlockMask.from_kv_blocks(
             kv_num_blocks,
             kv_indices,
@@ -567,7 +576,7 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
             "block_mask": block_mask,
             "scale": st.scale,
             "enable_gqa": True,
-            "kernel_options": kernel_options,
+            "kernel_options": options,
         }
         if sinks is None:
             return fa.flex_attention(qp, k_pool, v_pool, **kwargs)

@@ -69,8 +69,12 @@ def register(config: AttentionConfig | str | None = None, *, name: str = "attnsd
         raise BackendUnavailableError(
             "attnsdk.integrations.transformers needs transformers >= 5.17.", _INSTALL
         ) from exc
-    if not isinstance(name, str) or not name or name.startswith("paged|"):
-        raise InvalidInputError("name", "a non-empty name without the 'paged|' prefix", name)
+    if not isinstance(name, str) or not name or name.startswith("paged|") or "flash" in name:
+        # transformers takes every implementation name containing "flash" for one of its own
+        # flash-attention kernels (and looks for it on the hub).
+        raise InvalidInputError(
+            "name", "a non-empty name without the 'paged|' prefix and without 'flash'", name
+        )
 
     def mask_function(*args: Any, **kwargs: Any) -> Any:
         # Always the full boolean mask: without it the attention function could not see padding

@@ -172,9 +172,10 @@ def test_training_dropout_is_refused(names: dict[str, str]) -> None:
         ours(torch.randint(1, 128, (1, 4)))
 
 
-def test_register_refuses_a_paged_name() -> None:
-    with pytest.raises(ValueError, match="paged"):
-        register("reference", name="paged|attnsdk")
+@pytest.mark.parametrize("name", ["paged|attnsdk", "attnsdk_flashinfer", ""])
+def test_register_refuses_names_transformers_would_misread(name: str) -> None:
+    with pytest.raises(ValueError, match=r"name: expected a non-empty name without the 'paged\|'"):
+        register("reference", name=name)
 
 
 def test_docs_snippet_runs() -> None:
