@@ -36,6 +36,7 @@ from attnsdk import (
     Plan,
     UnsupportedConfigError,
 )
+from attnsdk._debug import wrap_debug
 from attnsdk.backends.reference import ReferenceBackend, ReferenceOptions
 from attnsdk.testing import BatchSpec, make_batch
 
@@ -550,6 +551,7 @@ def forward_kwargs(batch: Batch, meta: AttentionMetadata | None = None) -> dict[
         "k_scale": batch.k_scale,
         "v_scale": batch.v_scale,
         "out": None,
+        "lse": None,
     }
 
 
@@ -572,9 +574,9 @@ def forward_case(
     cache = kwargs["cache"]
     kwargs.update(changes(batch))
     watch: tuple[torch.Tensor, ...] = (cache.k, cache.v)
-    out = kwargs["out"]
-    if isinstance(out, torch.Tensor) and out.device.type != "meta":
-        watch += (out.fill_(7.0),)
+    for buffer in (kwargs["out"], kwargs["lse"]):
+        if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
+            watch += (buffer.fill_(7.0),)
     backend = DEBUG if via == "debug" else REF
     return Case(f"{via}/{name}", lambda: backend.forward(**kwargs), error, field, watch)
 
@@ -611,6 +613,12 @@ ARGUMENTS: list[tuple[str, str, Changes, dict[str, bool]]] = [
     ),
     ("out-list", "out", lambda b: {"out": [0.0]}, {}),
     ("out-int32", "out.dtype", lambda b: {"out": torch.zeros(T, HQ, DV, dtype=torch.int32)}, {}),
+    ("lse-list", "lse", lambda b: {"lse": [0.0] * HQ}, {}),
+    ("lse-bf16", "lse.dtype", lambda b: {"lse": torch.zeros(T, HQ, dtype=torch.bfloat16)}, {}),
+    ("lse-other-device", "lse.device", lambda b: {"lse": torch.empty(T, HQ, device="meta")}, {}),
+    ("lse-3d", "lse.shape", lambda b: {"lse": torch.zeros(T, HQ, 1)}, {}),
+    ("lse-head-major", "lse.shape", lambda b: {"lse": torch.zeros(HQ, T)}, {}),
+    ("lse-transposed-view", "lse.stride()", lambda b: {"lse": torch.zeros(HQ, T).t()}, {}),
     ("sinks-list", "sinks", lambda b: {"sinks": [0.0] * HQ}, {"sinks": True}),
     ("sinks-other-device", "sinks.device", lambda b: {"sinks": dev(b.sinks)}, {"sinks": True}),
     ("k-scale-float", "k_scale", lambda b: {"k_scale": 0.5}, {"quantized": True}),
@@ -641,6 +649,7 @@ DEBUG_ONLY_ARGUMENTS: list[tuple[str, str, Changes, dict[str, bool]]] = [
     ("sinks-missing", "sinks", lambda b: {"sinks": None}, {"sinks": True}),
     ("v-scale-on-fp32-cache", "v_scale", lambda b: {"v_scale": torch.ones(())}, {}),
     ("out-fewer-rows", "out.shape", lambda b: {"out": torch.empty(T - 1, HQ, DV)}, {}),
+    ("lse-fewer-rows", "lse.shape", lambda b: {"lse": torch.empty(T - 1, HQ)}, {}),
 ]
 
 # Finite, positive values: only debug mode reads the tensors' values.
@@ -1456,6 +1465,35 @@ def test_forward_baseline(via: str, variant: dict[str, bool]) -> None:
     batch = make(**variant)
     kwargs = forward_kwargs(batch)
     (DEBUG if via == "debug" else REF).forward(**kwargs)
+
+
+@pytest.mark.parametrize("via", ["reference", "debug"])
+def test_forward_baseline_with_lse(via: str) -> None:
+    kwargs = forward_kwargs(make(sinks=True))
+    kwargs["lse"] = torch.full((T, HQ), NAN)
+    (DEBUG if via == "debug" else REF).forward(**kwargs)
+    assert bool(torch.isfinite(kwargs["lse"]).all())
+
+
+@pytest.mark.parametrize(("value", "refused"), [(NAN, True), (INF, True), (-INF, False)])
+def test_debug_mode_checks_the_lse_a_backend_wrote(value: float, refused: bool) -> None:
+    """-inf is a valid log-sum-exp (a row that sees no key and no sink); NaN and +inf are not."""
+
+    class Faulty(ReferenceBackend):
+        def attend(self, *args: Any, lse: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+            out = super().attend(*args, lse=lse, **kwargs)
+            if lse is not None:
+                lse[T - 1, 1] = value
+            return out
+
+    kwargs = forward_kwargs(make())
+    kwargs["lse"] = torch.empty(T, HQ)
+    debug = wrap_debug(Faulty())
+    if refused:
+        with pytest.raises(A.AttnSDKError, match=r"at lse\[8, 1\]"):
+            debug.forward(**kwargs)
+    else:
+        debug.forward(**kwargs)
 
 
 def test_other_baselines(tmp_path: Path) -> None:
