@@ -1423,6 +1423,44 @@ GRAPH_CASES = [
     replay_case("longer-seq-than-capacity", "max_seq_len", real([1], [3 * P + 1]), via="debug"),
 ]
 
+# --- merge_states -------------------------------------------------------------------------------
+
+
+def merge_case(name: str, field: str, **changes: Any) -> Case:
+    """merge_states with one bad argument; the out / lse_out buffers it was given stay as they
+    were (a refused merge writes nothing)."""
+    args: dict[str, Any] = {
+        "out_a": torch.randn(T, HQ, DV),
+        "lse_a": torch.randn(T, HQ),
+        "out_b": torch.randn(T, HQ, DV),
+        "lse_b": torch.randn(T, HQ),
+        "out": torch.full((T, HQ, DV), 7.0),
+        "lse_out": torch.full((T, HQ), 7.0),
+    }
+    args.update(changes)
+    watch = tuple(t for t in (args["out"], args["lse_out"]) if isinstance(t, torch.Tensor))
+    return Case(f"merge_states/{name}", lambda: A.merge_states(**args), IIE, field, watch)
+
+
+MERGE_CASES = [
+    merge_case("out-a-list", "out_a", out_a=[0.0]),
+    merge_case("out-a-2d", "out_a.shape", out_a=torch.randn(T, HQ)),
+    merge_case("out-a-int32", "out_a.dtype", out_a=torch.zeros(T, HQ, DV, dtype=torch.int32)),
+    merge_case("out-a-fp64", "out_a.dtype", out_a=torch.zeros(T, HQ, DV, dtype=torch.float64)),
+    merge_case("out-b-fewer-rows", "out_b.shape", out_b=torch.randn(T - 1, HQ, DV)),
+    merge_case("out-b-bf16", "out_b.dtype", out_b=torch.randn(T, HQ, DV).bfloat16()),
+    merge_case("out-b-other-device", "out_b.device", out_b=torch.empty(T, HQ, DV, device="meta")),
+    merge_case("lse-a-none", "lse_a", lse_a=None),
+    merge_case("lse-a-head-major", "lse_a.shape", lse_a=torch.randn(HQ, T)),
+    merge_case("lse-a-bf16", "lse_a.dtype", lse_a=torch.randn(T, HQ).bfloat16()),
+    merge_case("lse-b-3d", "lse_b.shape", lse_b=torch.randn(T, HQ, 1)),
+    merge_case("lse-b-other-device", "lse_b.device", lse_b=torch.empty(T, HQ, device="meta")),
+    merge_case("out-fp16", "out.dtype", out=torch.zeros(T, HQ, DV, dtype=torch.float16)),
+    merge_case("out-wider", "out.shape", out=torch.zeros(T, HQ, DV + 1)),
+    merge_case("lse-out-fewer-heads", "lse_out.shape", lse_out=torch.zeros(T, HQ - 1)),
+    merge_case("lse-out-fp16", "lse_out.dtype", lse_out=torch.zeros(T, HQ, dtype=torch.float16)),
+]
+
 CORE_CASES = [
     *LAYER_CASES,
     *LAYOUT_CASES,
@@ -1440,6 +1478,7 @@ CORE_CASES = [
     *CREATE_CASES,
     *EXPLAIN_CASES,
     *GRAPH_CASES,
+    *MERGE_CASES,
 ]
 
 
@@ -1497,6 +1536,7 @@ def test_debug_mode_checks_the_lse_a_backend_wrote(value: float, refused: bool) 
 
 
 def test_other_baselines(tmp_path: Path) -> None:
+    merge_case("baseline", "").call()
     LayerSpec(4, 2, 16)
     KVCacheLayout(2, 16, 4)
     ALLOC_LAYOUT.allocate(4, device="cpu")
