@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from attnsdk._kv import KVCache
     from attnsdk._metadata import AttentionMetadata
 
-__all__ = ["BackendBase", "BackendClass", "NoOptions"]
+__all__ = ["BackendBase", "BackendClass", "NoOptions", "lse_reasons_of"]
 
 
 class NoOptions(BaseModel):
@@ -347,3 +347,14 @@ class BackendBase(GraphHooks):
             raise UnsupportedConfigError(f"the {self.name} backend cannot run this layer:", reasons)
         state = self._layer_states[(layer, cache.layout)] = self.layer_state(layer, cache.layout)
         return state
+
+
+def lse_reasons_of(
+    backend: Backend, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
+) -> list[Reason]:
+    """Why ``backend`` refuses ``lse=`` for ``layer``: its ``lse_reasons`` (``BackendBase``,
+    ``routed``), or for a backend written to the protocol alone, its declared features."""
+    ask = getattr(backend, "lse_reasons", None)
+    if ask is not None:
+        return list(ask(layer, layout, device))
+    return lse_capability_reasons(backend.capabilities)

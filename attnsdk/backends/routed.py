@@ -33,13 +33,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from attnsdk._backend import Backend, Plan
-from attnsdk._capabilities import (
-    Capabilities,
-    Feature,
-    Reason,
-    ReasonKind,
-    lse_capability_reasons,
-)
+from attnsdk._base import lse_reasons_of
+from attnsdk._capabilities import Capabilities, Feature, Reason, ReasonKind
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._kv import KVCache, KVCacheLayout
 from attnsdk._layer import LayerSpec
@@ -265,7 +260,7 @@ class RoutedBackend:
         """Why some route cannot fill ``lse=`` for ``layer`` (field ``<kind>.<field>``)."""
         found = set()
         for kind in KINDS:
-            for r in _lse_reasons(self._backends[kind], layer, layout, device):
+            for r in lse_reasons_of(self._backends[kind], layer, layout, device):
                 found.add(Reason(r.kind, f"{kind}.{r.field}", r.message))
         return sorted(found)
 
@@ -342,16 +337,6 @@ class RoutedBackend:
         if any(Feature.LSE not in b.capabilities.features for b in self._backends.values()):
             caps = dataclasses.replace(caps, features=caps.features - {Feature.LSE})
         self.capabilities = caps
-
-
-def _lse_reasons(
-    backend: Backend, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
-) -> list[Reason]:
-    """A route's ``lse_reasons`` (``BackendBase``), else what its capabilities declare."""
-    ask = getattr(backend, "lse_reasons", None)
-    if ask is not None:
-        return list(ask(layer, layout, device))
-    return lse_capability_reasons(backend.capabilities)
 
 
 def _route_reasons(
