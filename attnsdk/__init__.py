@@ -18,6 +18,7 @@ from attnsdk._errors import (
 from attnsdk._graph import GraphBuffers, GraphHooks
 from attnsdk._kv import KVCache, KVCacheLayout, KVOrder
 from attnsdk._layer import LayerSpec
+from attnsdk._merge import merge_states
 from attnsdk._metadata import AttentionMetadata
 from attnsdk._registry import Registration, backend_names, register_backend
 from attnsdk.graphs import GraphRunner
@@ -54,5 +55,6 @@ __all__ = [
     "backend_names",
     "create_backend",
     "explain",
+    "merge_states",
     "register_backend",
 ]

@@ -82,13 +82,18 @@ class Backend(Protocol):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write new K/V into ``cache`` at ``slot_mapping``, then attend.
 
         q: (T, Hq, D). k: (T, Hkv, D) and v: (T, Hkv, Dv), or both None when the caller has
         already written them. sinks: (Hq,) fp32 when ``layer.has_sinks``. k_scale / v_scale:
         fp32 () / (1,) / (Hkv,) for fp8 caches. out: optional (T, Hq, Dv) destination.
-        Returns (T, Hq, Dv) in q's dtype; rows past ``num_tokens`` are unspecified.
+        lse: optional (T, Hq) fp32 contiguous destination of each row's natural-log
+        log-sum-exp (docs/kv_layout.md, "The log-sum-exp"); a backend without
+        ``Feature.LSE`` refuses it before writing anything.
+        Returns (T, Hq, Dv) in q's dtype; rows past ``num_tokens`` (of the output and of
+        ``lse``) are unspecified.
         """
         ...
 
@@ -139,6 +144,7 @@ def check_forward_args(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     out: torch.Tensor | None,
+    lse: torch.Tensor | None,
 ) -> None:
     """Host-only checks of ``Backend.forward`` arguments (shape, dtype, device); no sync.
 
@@ -205,6 +211,16 @@ def check_forward_args(
             )
     if out is not None:
         _tensor("out", out, (rows, hq, dv), layout.dtype, cache.device)
+    if lse is not None:
+        _tensor("lse", lse, (rows, hq), torch.float32, cache.device)
+        # Kernels write (T, Hq) rows in place, and a CUDA graph keeps the pointer it captured.
+        if not lse.is_contiguous():
+            raise InvalidInputError(
+                "lse.stride()",
+                f"contiguous strides ({hq}, 1)",
+                lse.stride(),
+                "Allocate it with torch.empty(T, Hq, dtype=torch.float32)",
+            )
     if layer.has_sinks:
         if sinks is None:
             raise InvalidInputError(

@@ -11,8 +11,9 @@ CUDA-graph hooks (``GraphHooks``).
         name = "mine"
         capabilities = Capabilities(devices=frozenset({"cuda"}), ...)
 
-        def attend(self, q, cache, plan, layer, state, *, sinks, k_scale, v_scale, out):
+        def attend(self, q, cache, plan, layer, state, *, sinks, k_scale, v_scale, out, lse):
             ...  # new K/V are already in ``cache``; write (T, Hq, Dv) into ``out``
+                 # and, when ``lse`` is a tensor, each row's log-sum-exp (T, Hq) into it
 
 docs/adding_a_backend.md walks through one; ``attnsdk.testing.conformance`` is the test suite
 every backend runs.
@@ -32,6 +33,7 @@ from attnsdk._capabilities import (
     capability_reasons,
     default_device,
     device_reasons,
+    lse_capability_reasons,
 )
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphHooks
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
     from attnsdk._kv import KVCache
     from attnsdk._metadata import AttentionMetadata
 
-__all__ = ["BackendBase", "BackendClass", "NoOptions"]
+__all__ = ["BackendBase", "BackendClass", "NoOptions", "lse_reasons_of"]
 
 
 class NoOptions(BaseModel):
@@ -253,11 +255,19 @@ class BackendBase(GraphHooks):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Check the arguments, write new K/V (``store``), then ``attend``. See ``Backend``."""
         check_forward_args(
-            q, k, v, cache, plan, layer, sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out
-        )
+            q, k, v, cache, plan, layer,
+            sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+        )  # fmt: skip
+        if lse is not None:
+            reasons = self.lse_reasons(layer, cache.layout, cache.device)
+            if reasons:
+                raise UnsupportedConfigError(
+                    f"the {self.name} backend cannot return the log-sum-exp (lse=):", reasons
+                )
         key = (layer, cache.layout)
         try:
             state = self._layer_states[key]
@@ -271,8 +281,20 @@ class BackendBase(GraphHooks):
                 q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
             )
         return self.attend(
-            q, cache, plan, layer, state, sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out
-        )
+            q, cache, plan, layer, state,
+            sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+        )  # fmt: skip
+
+    def lse_reasons(
+        self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
+    ) -> list[Reason]:
+        """Why ``forward`` cannot fill ``lse=`` for ``layer`` here; [] when it can.
+
+        The log-sum-exp is asked per call, not declared by the layer, so ``forward`` asks this
+        before writing anything. Default: ``Feature.LSE`` in ``capabilities``; backends add the
+        kernel variants that cannot return it.
+        """
+        return lse_capability_reasons(self.capabilities)
 
     def check_step(self, plan: Plan, cache: KVCache) -> None:
         """Hook: checks before anything is written, beyond the host checks every forward runs
@@ -310,10 +332,13 @@ class BackendBase(GraphHooks):
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
         out: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> torch.Tensor:
         """Attention of q (T, Hq, D) over the cache (new K/V already stored), into ``out``
-        (T, Hq, Dv), which it returns. Every argument has passed the host checks; ``state``
-        is ``layer_state(layer, cache.layout)``."""
+        (T, Hq, Dv), which it returns; when ``lse`` is a tensor, also each row's natural-log
+        log-sum-exp into it ((T, Hq) fp32, contiguous; only if ``lse_reasons`` allowed it).
+        Every argument has passed the host checks; ``state`` is
+        ``layer_state(layer, cache.layout)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement attend()")
 
     def _first_forward(self, layer: LayerSpec, cache: KVCache) -> Any:
@@ -322,3 +347,14 @@ class BackendBase(GraphHooks):
             raise UnsupportedConfigError(f"the {self.name} backend cannot run this layer:", reasons)
         state = self._layer_states[(layer, cache.layout)] = self.layer_state(layer, cache.layout)
         return state
+
+
+def lse_reasons_of(
+    backend: Backend, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
+) -> list[Reason]:
+    """Why ``backend`` refuses ``lse=`` for ``layer``: its ``lse_reasons`` (``BackendBase``,
+    ``routed``), or for a backend written to the protocol alone, its declared features."""
+    ask = getattr(backend, "lse_reasons", None)
+    if ask is not None:
+        return list(ask(layer, layout, device))
+    return lse_capability_reasons(backend.capabilities)

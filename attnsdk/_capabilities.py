@@ -14,7 +14,15 @@ from attnsdk._kv import FP8_KV_DTYPES, KVCacheLayout, KVOrder
 if TYPE_CHECKING:
     from attnsdk._layer import LayerSpec
 
-__all__ = ["Capabilities", "Feature", "GraphSupport", "Reason", "ReasonKind", "capability_reasons"]
+__all__ = [
+    "Capabilities",
+    "Feature",
+    "GraphSupport",
+    "Reason",
+    "ReasonKind",
+    "capability_reasons",
+    "lse_capability_reasons",
+]
 
 
 class ReasonKind(enum.IntEnum):
@@ -45,7 +53,11 @@ class Reason:
 
 
 class Feature(str, enum.Enum):
-    """Optional semantics of DESIGN §2 that a backend may or may not implement."""
+    """Optional semantics of DESIGN §2 that a backend may or may not implement.
+
+    All but ``LSE`` are properties of a layer (``capability_reasons`` checks them against a
+    ``LayerSpec``); ``LSE`` is asked per call, by passing ``lse=`` to ``forward``.
+    """
 
     GQA = "gqa"
     SLIDING_WINDOW = "sliding_window"
@@ -54,6 +66,8 @@ class Feature(str, enum.Enum):
     NON_CAUSAL = "non_causal"
     FP8_KV = "fp8_kv"
     DIFFERENT_V_HEAD_DIM = "different_v_head_dim"
+    LSE = "lse"
+    """``forward(..., lse=)`` fills the per-head log-sum-exp of each query row."""
 
 
 class GraphSupport(enum.IntEnum):
@@ -212,6 +226,13 @@ def capability_reasons(
                     Reason(cfg, name, f"layer has {mine} but the KV layout has {theirs}")
                 )
     return sorted(reasons)
+
+
+def lse_capability_reasons(caps: Capabilities) -> list[Reason]:
+    """Why ``forward(..., lse=)`` is refused by what ``caps`` declares; [] with ``Feature.LSE``."""
+    if Feature.LSE in caps.features:
+        return []
+    return [Reason(ReasonKind.CONFIGURATION, "lse", "is not supported by this backend")]
 
 
 def _cc(cc: tuple[int, int]) -> str:

@@ -58,8 +58,8 @@ class DebugBackend:
 
     Before each forward: the argument checks, ``AttentionMetadata.validate(cache)`` (once per
     plan and cache size), finite q / k / v and positive finite fp8 scales. After it: any error
-    the device side recorded (e.g. a slot past the cache, reported at once) and a finite output
-    for every real token row.
+    the device side recorded (e.g. a slot past the cache, reported at once), a finite output
+    for every real token row and, when ``lse=`` is given, no NaN or +inf in its real rows.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -102,11 +102,14 @@ class DebugBackend:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kwargs = {"sinks": sinks, "k_scale": k_scale, "v_scale": v_scale, "out": out}
+        # lse= only when asked for: a protocol backend written before it still runs.
+        extra = {} if lse is None else {"lse": lse}
         if _capturing():
-            return self.inner.forward(q, k, v, cache, plan, layer, **kwargs)
-        check_forward_args(q, k, v, cache, plan, layer, **kwargs)
+            return self.inner.forward(q, k, v, cache, plan, layer, **kwargs, **extra)
+        check_forward_args(q, k, v, cache, plan, layer, lse=lse, **kwargs)
         meta = plan.metadata
         key = (id(plan), cache.num_pages, layer.sliding_window)
         if key != self._validated:
@@ -119,11 +122,15 @@ class DebugBackend:
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is not None and not bool((torch.isfinite(scale) & (scale > 0)).all()):
                 raise InvalidInputError(name, "finite values > 0", scale.flatten().tolist())
-        result = self.inner.forward(q, k, v, cache, plan, layer, **kwargs)
+        result = self.inner.forward(q, k, v, cache, plan, layer, **kwargs, **extra)
         sync_check = getattr(self.inner, "sync_check", None)
         if sync_check is not None:
             sync_check(cache.device)
         _finite("output", result[:rows], None, backend=self.name)
+        if lse is not None:
+            # -inf is a valid log-sum-exp (a row that sees no key and no sink); NaN never is.
+            real = lse[:rows]
+            _finite("lse", real.masked_fill(real == float("-inf"), 0.0), None, backend=self.name)
         return result
 
     def graph_state(
@@ -172,6 +179,6 @@ def _finite(
     if error is not None:
         raise error(name, "finite values", f"{value} at {where}")
     raise AttnSDKError(
-        f"debug mode: backend {backend!r} produced {value} at output{list(where)} from finite "
+        f"debug mode: backend {backend!r} produced {value} at {name}{list(where)} from finite "
         "inputs and valid metadata; please report it with the batch"
     )

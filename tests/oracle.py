@@ -1,7 +1,8 @@
 """An independent float64 oracle of DESIGN §2, written from the text, not from any backend.
 
 It rebuilds each sequence's K/V densely from the paged cache (after the step's writes), then
-computes attention head by head with explicit masks, softcap and sinks. Slow and obvious on
+computes attention head by head with explicit masks, softcap and sinks, and each row's
+log-sum-exp as ``torch.logsumexp`` of its logits (the sink one of them). Slow and obvious on
 purpose: backends are checked against it, so it must not share their shortcuts.
 """
 
@@ -129,17 +130,19 @@ def attention(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """float64 (sum(query_lens), Hq, Dv) for the query rows of every sequence.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 output (sum(query_lens), Hq, Dv) and log-sum-exp (sum(query_lens), Hq) for the
+    query rows of every sequence.
 
     ``k_nhd`` / ``v_nhd`` are the cache after this step's writes; sequence b's key at position
     j lives at page ``page_table[b, j // P]``, offset ``j % P``. A query row that sees no key
-    outputs zeros.
+    outputs zeros; its log-sum-exp is the sink, or -inf without one.
     """
     page_size = k_nhd.shape[1]
     group = sem.num_heads // sem.num_kv_heads
     dv = v_nhd.shape[-1]
     out = torch.zeros(sum(query_lens), sem.num_heads, dv, dtype=torch.float64)
+    lse = torch.full((sum(query_lens), sem.num_heads), float("-inf"), dtype=torch.float64)
     table = page_table.cpu().long()
     row = 0
     for b, (n, length) in enumerate(zip(query_lens, seq_lens)):
@@ -161,8 +164,9 @@ def attention(
             if sinks is not None:
                 sink_col = torch.full((n, 1), float(sinks[h]), dtype=torch.float64)
                 logits = torch.cat([s, sink_col], dim=1)
-            if logits.shape[1] == 0:  # no key and no sink: the row stays zero
+            if logits.shape[1] == 0:  # no key and no sink: the row stays zero, lse -inf
                 continue
+            lse[row : row + n, h] = torch.logsumexp(logits, dim=1)
             m = logits.max(dim=1, keepdim=True).values
             m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
             e = torch.exp(logits - m)
@@ -172,13 +176,25 @@ def attention(
             o[sees_nothing] = 0.0
             out[row : row + n, h] = o
         row += n
-    return out
+    return out, lse
 
 
-def run_oracle(
-    batch: Batch, *, write: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out float64 (T, Hq, Dv), expected K, expected V in NHD) for an ``attnsdk.testing.Batch``.
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What the oracle says a step produces."""
+
+    out: torch.Tensor
+    """(T, Hq, Dv) float64, the real rows."""
+    lse: torch.Tensor
+    """(T, Hq) float64: natural-log log-sum-exp of each real row (sinks included)."""
+    k: torch.Tensor
+    """The K cache after the step, NHD."""
+    v: torch.Tensor
+    """The V cache after the step, NHD."""
+
+
+def run_oracle(batch: Batch, *, write: bool = True) -> Expected:
+    """The output, log-sum-exp and cache an ``attnsdk.testing.Batch`` step must produce.
 
     ``write=False`` models ``forward(q, None, None, ...)``.
     """
@@ -197,7 +213,7 @@ def run_oracle(
         batch.v_scale,
     )
     qsl = meta.query_start_loc_cpu.tolist()
-    out = attention(
+    out, lse = attention(
         batch.q[: meta.num_tokens],
         kc,
         vc,
@@ -209,7 +225,7 @@ def run_oracle(
         k_scale=batch.k_scale,
         v_scale=batch.v_scale,
     )
-    return out, kc, vc
+    return Expected(out, lse, kc, vc)
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

@@ -163,7 +163,9 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         sinks = kwargs.pop("sinks", None)
         # SGLang's runners and models pass more keywords (return_lse, q_rope / k_rope, fp8
         # q/k/v descales, score_mod, rel_bias, ...): at None / False they ask for nothing;
-        # anything else asks for what attnsdk does not serve yet, which is refused, not ignored.
+        # anything else asks for what this drop-in does not serve yet, which is refused, not
+        # ignored (return_lse: attnsdk has forward(lse=), but SGLang's (o, lse) return is not
+        # mapped onto it here).
         for name, value in kwargs.items():
             if value is not None and value is not False:
                 refuse(

@@ -89,6 +89,11 @@ class KernelCall:
     wrapper_kwargs: frozenset[str]
     """Keyword names the Python wrapper accepts (route ``direct=False``)."""
 
+    @property
+    def returns_lse(self) -> bool:
+        """Whether a call can hand back FA3's ``softmax_lse`` (the op always computes it)."""
+        return self.direct or "return_softmax_lse" in self.wrapper_kwargs
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -111,14 +116,18 @@ class KernelCall:
         num_splits: int,
         pack_gqa: bool | None,
         sinks: torch.Tensor | None,
+        lse: torch.Tensor | None,
     ) -> None:
+        """Attention into ``out`` and, when given, the log-sum-exp into ``lse`` (T, Hq)."""
         if self.direct:
-            self.fwd(
+            _, softmax_lse, *_ = self.fwd(
                 q, k_cache, v_cache, None, None, None, out, cu_seqlens_q, None, None, None,
                 cache_seqlens, max_seqlen_q, None, page_table, None, None, None, None, None,
                 q_descale, k_descale, v_descale, softmax_scale, causal, window[0], window[1],
                 0, softcap, True, scheduler_metadata, num_splits, pack_gqa, 0, sinks,
             )  # fmt: skip
+            if lse is not None:
+                _copy_lse(lse, softmax_lse)
             return
         kwargs: dict[str, Any] = {
             "cache_seqlens": cache_seqlens,
@@ -150,10 +159,31 @@ class KernelCall:
             kwargs[name] = sinks
         if "fa_version" in self.wrapper_kwargs:
             kwargs["fa_version"] = 3
+        if lse is not None:
+            kwargs["return_softmax_lse"] = True  # backends refuse lse= when it is missing
         if "out" in self.wrapper_kwargs:
-            self.fwd(q, k_cache, v_cache, out=out, **kwargs)
+            result = self.fwd(q, k_cache, v_cache, out=out, **kwargs)
         else:
-            out.copy_(self.fwd(q, k_cache, v_cache, **kwargs))
+            result = self.fwd(q, k_cache, v_cache, **kwargs)
+        # (out, softmax_lse, *rest) with return_softmax_lse, else the output alone.
+        if lse is not None:
+            _copy_lse(lse, result[1])
+            result = result[0]
+        if "out" not in self.wrapper_kwargs:
+            out.copy_(result)
+
+
+def _copy_lse(dest: torch.Tensor, softmax_lse: torch.Tensor) -> None:
+    """FA3's varlen ``softmax_lse`` (Hq, total_q) into the caller's (T, Hq) buffer.
+
+    Natural log (FA3's ``Softmax::finalize`` takes ``__logf`` of the row sum); a row that sees
+    no key holds -inf. With sinks, the kernels fold the sink logit into each row's running max
+    and sum before that log (vLLM's fork: ``finalize_aux``, on the first KV split only, so a
+    split-KV combine counts it once; the flash_attn_interface build has a
+    ``Softmax::set_row_sink``), so the sink term is already in the value and nothing is added
+    here. tests/gpu/test_fa3.py::test_lse_counts_the_sink_once checks it on the GPU.
+    """
+    dest.copy_(softmax_lse[:, : dest.shape[0]].t())
 
 
 def load_kernel(pinned: Provider | Literal["auto"] = "auto") -> KernelCall:

@@ -6,6 +6,9 @@ query rows, ``cache_seqlens`` and ``page_table`` locate each sequence's keys. Ne
 first by a one-launch Triton store that skips negative slots (no device sync). Importing this
 module imports no kernel library; ``FA3Backend(...)`` does.
 
+``lse=``: FA3 always computes each row's natural-log log-sum-exp (sinks included); it is copied
+(transposed from FA3's (Hq, T)) into the caller's buffer.
+
 fp8 KV (e4m3): FA3 multiplies q·k in fp8, so q is cast to the cache dtype too, as SGLang does,
 but clamped to ±448 first (torch's cast turns larger values into NaN). ``k_scale`` / ``v_scale``
 become the kernel's (B, Hkv) descales through zero-stride views. FA3 returns bf16 for fp8
@@ -135,6 +138,22 @@ class FA3Backend(BackendBase):
         """The kernel package in use."""
         return self._kernel.provider
 
+    def lse_reasons(
+        self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
+    ) -> list[Reason]:
+        """A provider's wrapper without ``return_softmax_lse`` cannot hand the lse back."""
+        reasons = super().lse_reasons(layer, layout, device)
+        if not self._kernel.returns_lse:
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "lse",
+                    f"needs return_softmax_lse, which {self._kernel.provider}'s "
+                    f"flash_attn_with_kvcache lacks: use flash_attn_interface ({INSTALL_COMMAND})",
+                )
+            )
+        return reasons
+
     @classmethod
     def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
         """Is a kernel library installed, is there a CUDA device, is it sm 9.x? Imports nothing."""
@@ -221,6 +240,7 @@ class FA3Backend(BackendBase):
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
         out: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> torch.Tensor:
         st = state
         meta = plan.metadata
@@ -266,6 +286,7 @@ class FA3Backend(BackendBase):
             num_splits=self.options.num_splits,
             pack_gqa=self.options.pack_gqa,
             sinks=sinks,
+            lse=lse,
         )
         return out if dest is out else dest.copy_(out)
 

@@ -14,6 +14,11 @@ is gathered there with one ``index_select`` whose size is known on the host, so 
 syncs the device. The decode form has one CSR row per query token row, so zero-length rows drop
 out and the decode wrapper's row ``i`` is query row ``i``.
 
+``lse=``: every wrapper fills the caller's buffer (``run(..., lse=, return_lse=True)``) with
+FlashInfer's base-2 log-sum-exp, scaled by ln 2 in place afterwards; the sink wrappers fold the
+sink logit into each row's running max and sum (``AttentionSink``'s ``REGISTER_M_D_UPDATE``), so
+it is in the value already.
+
 fp8 KV (e4m3 / e5m2, bf16 or fp16 q): FlashInfer would take ``k_scale`` / ``v_scale`` as host
 floats (a device read per layer). Instead q is multiplied by ``k_scale`` before the kernel and
 the output by ``v_scale`` after it, on the device, which also serves per-KV-head scales.
@@ -24,6 +29,7 @@ Importing this module imports no kernel library; ``FlashInferBackend(...)`` impo
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -71,6 +77,8 @@ _CUDA_CORE_GROUPS = frozenset({1, 2, 3, 4, 6, 8, 16})
 """Query heads per KV head that FlashInfer's CUDA-core decode kernel is compiled for."""
 _HEAD_DIMS = frozenset({64, 128, 256})
 """Head dims FlashInfer's kernels dispatch, its split-KV merge included."""
+_LN2 = math.log(2.0)
+"""FlashInfer's log-sum-exp is log2 of the softmax denominator; attnsdk's is the natural log."""
 
 Kind = Literal["decode", "prefill"]
 
@@ -595,6 +603,7 @@ class FlashInferBackend(BackendBase):
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
         out: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> torch.Tensor:
         if not isinstance(plan, FlashInferPlan):
             raise InvalidInputError(
@@ -625,10 +634,15 @@ class FlashInferBackend(BackendBase):
         if variant.quantized and k_scale is not None:
             q = _per_kv_head(q, k_scale, variant.num_kv_heads).to(q.dtype)
         kv = (cache.k, cache.v)
+        # A prefix of the caller's contiguous (T, Hq) buffer is contiguous: written in place.
+        lse_rows = None if lse is None else lse[:rows]
+        with_lse = {} if lse_rows is None else {"lse": lse_rows, "return_lse": True}
         if variant.sinks:
-            wrapper.run(q, kv, sinks, variant.scale, out=o)
+            wrapper.run(q, kv, sinks, variant.scale, out=o, **with_lse)
         else:
-            wrapper.run(q, kv, out=o)
+            wrapper.run(q, kv, out=o, **with_lse)
+        if lse_rows is not None:
+            lse_rows.mul_(_LN2)
         if variant.quantized and v_scale is not None:
             o.copy_(_per_kv_head(o, v_scale, variant.num_kv_heads))
         if o is not dest:

@@ -25,7 +25,10 @@ How a step maps onto FlexAttention (shape legend of ``attnsdk._backend``; Bb, Lb
 - **Semantics**: bottom-right causal, HF sliding window (non-causal: symmetric), GQA through
   ``enable_gqa``, softcap in ``score_mod``, sinks from the log-sum-exp flex returns:
   ``out * sigmoid(lse - sink)`` (= out * e^lse / (e^lse + e^sink); a row that sees no key has
-  lse = -inf and stays 0, like the reference).
+  lse = -inf and stays 0, like the reference). ``lse=`` is that log-sum-exp (natural log: the
+  public flex API converts its kernels' base-2 statistics), plus the sink term
+  ``logaddexp(lse, sink)`` on sink layers; a call without ``lse=`` on a layer without sinks
+  asks flex for none (a separate compiled function per choice).
 
 Refused, with reasons: fp8 KV (flex's CPU kernel needs one dtype for q/k/v; dequantising a copy
 of the pool per layer would defeat the no-copy design), HND caches (an (N, Hkv, P, D) pool is
@@ -42,7 +45,8 @@ each bucket's compile time. Uncompiled flex (the CPU default: a CPU compile take
 bucket) runs torch's unfused implementation, which materialises scores over the whole pool:
 fine for tests and small CPU pools, slow for large ones; its "called without torch.compile"
 warning is the documented consequence of ``compile=False`` and is filtered for that call only.
-Compiled flex on CPU returns no log-sum-exp, so sinks on a compiled CPU path are refused.
+Compiled flex on CPU returns no log-sum-exp (torch 2.13: "return_lse is not supported yet"), so
+sinks and ``lse=`` on a compiled CPU path are refused.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ _CFG = ReasonKind.CONFIGURATION
 _Q_BLOCK = 128
 """Query rows per BlockMask block: a multiple of every forward BLOCK_M flex picks on CUDA."""
 _UNCOMPILED = "flex_attention called without torch.compile"
+_Result = tuple[torch.Tensor, torch.Tensor | None]
+"""What a step's flex function returns: the output and, when asked for, the log-sum-exp."""
 
 
 class FlexOptions(BaseModel):
@@ -165,7 +171,7 @@ class FlexBackend(BackendBase):
         super().__init__(options)
         self._store = DeviceKVStore()
         self._page_flags: dict[torch.device, DeviceFlag] = {}
-        self._functions: dict[tuple[object, ...], Callable[..., torch.Tensor]] = {}
+        self._functions: dict[tuple[object, ...], Callable[..., _Result]] = {}
         self._buckets: set[tuple[object, ...]] = set()
         self.compile_stats: list[CompileRecord] = []
         """Every shape bucket compiled so far, in order (empty when nothing compiles)."""
@@ -219,6 +225,22 @@ class FlexBackend(BackendBase):
 
     def _compiles(self, device: torch.device) -> bool:
         return _compiles(self.options, device)
+
+    def lse_reasons(
+        self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
+    ) -> list[Reason]:
+        """Compiled flex returns no log-sum-exp on CPU."""
+        reasons = super().lse_reasons(layer, layout, device)
+        if device.type == "cpu" and self._compiles(device):
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "lse",
+                    "needs the log-sum-exp, which compiled flex does not return on CPU: "
+                    "use FlexOptions(compile=False) on CPU",
+                )
+            )
+        return reasons
 
     def layer_state(self, layer: LayerSpec, layout: KVCacheLayout) -> _Static:
         g = layer.group_size
@@ -301,6 +323,7 @@ class FlexBackend(BackendBase):
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
         out: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> torch.Tensor:
         meta = plan.metadata
         t = q.shape[0]
@@ -315,35 +338,42 @@ class FlexBackend(BackendBase):
         v_pool = _pool(cache.v_nhd, n * p)
         qp = q.index_select(0, mask.q_index).view(bb, lb, hq, d).transpose(1, 2)
         compiled = self._compiles(q.device)
+        with_lse = lse is not None
         key = (
             state, q.device.type, q.dtype, tuple(k_pool.shape), k_pool.stride(),
             tuple(v_pool.shape), v_pool.stride(), hq, d, bb, lb, wb, mask.page_table.shape[1],
-            compiled,
+            with_lse, compiled,
         )  # fmt: skip
-        fn = self._function(state, compiled, q.device)
+        fn = self._function(state, compiled, q.device, with_lse)
         args = (
             qp, k_pool, v_pool, mask.kv_num_blocks, mask.kv_indices, mask.page_pos,
             mask.page_table, mask.seq_lens, mask.q_start, sinks,
         )  # fmt: skip
-        res = fn(*args) if key in self._buckets else self._first_call(key, fn, args, compiled)
-        # res: (Bb, Hq, Lb, Dv) -> token rows of out.
+        res, res_lse = (
+            fn(*args) if key in self._buckets else self._first_call(key, fn, args, compiled)
+        )
+        # res: (Bb, Hq, Lb, Dv) -> token rows of out; res_lse: (Bb, Hq, Lb) -> rows of lse.
         flat = res.transpose(1, 2).reshape(bb * lb, hq, layer.v_dim)
         out[:t].copy_(flat.index_select(0, mask.out_row))
+        if lse is not None and res_lse is not None:
+            lse[:t].copy_(
+                res_lse.transpose(1, 2).reshape(bb * lb, hq).index_select(0, mask.out_row)
+            )
         return out
 
     def _first_call(
         self,
         key: tuple[object, ...],
-        fn: Callable[..., torch.Tensor],
+        fn: Callable[..., _Result],
         args: tuple[Any, ...],
         compiled: bool,
-    ) -> torch.Tensor:
+    ) -> _Result:
         if compiled and q_capturing(args[0]):
             raise InvalidInputError(
                 "plan",
                 "a shape bucket compiled before CUDA-graph capture (run one eager step of the "
                 "captured batch size first; GraphRunner's warm-up does)",
-                f"a new bucket (rows, query length, pages) = {key[-5:-2]} during capture",
+                f"a new bucket (rows, query length, pages) = {key[-6:-3]} during capture",
             )
         start = time.perf_counter()
         if compiled:
@@ -363,12 +393,12 @@ class FlexBackend(BackendBase):
         return res
 
     def _function(
-        self, state: _Static, compiled: bool, device: torch.device
-    ) -> Callable[..., torch.Tensor]:
-        fkey = (state, compiled, device.type)
+        self, state: _Static, compiled: bool, device: torch.device, with_lse: bool
+    ) -> Callable[..., _Result]:
+        fkey = (state, compiled, device.type, with_lse)
         fn = self._functions.get(fkey)
         if fn is None:
-            fn = _attention_function(state, compiled, device.type == "cuda")
+            fn = _attention_function(state, compiled, device.type == "cuda", with_lse)
             if compiled:
                 fn = torch.compile(fn, dynamic=False, fullgraph=True)
             self._functions[fkey] = fn
@@ -506,8 +536,11 @@ def _build_mask(
     )
 
 
-def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[..., torch.Tensor]:
-    """flex over one step for one layer kind; returns (Bb, Hq, Lb, Dv)."""
+def _attention_function(
+    st: _Static, compiled: bool, cuda: bool, with_lse: bool
+) -> Callable[..., _Result]:
+    """flex over one step for one layer kind; returns the output (Bb, Hq, Lb, Dv) and, when
+    ``with_lse``, the fp32 log-sum-exp (Bb, Hq, Lb) with the sink term (else None)."""
     from torch.nn.attention import flex_attention as fa
 
     p, wl, causal, cap = st.page_size, st.window_left, st.causal, st.softcap
@@ -535,7 +568,7 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
         seq_lens: torch.Tensor,
         q_start: torch.Tensor,
         sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
+    ) -> _Result:
         wpt = page_table.shape[1]
 
         def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
@@ -578,20 +611,24 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
             "enable_gqa": True,
             "kernel_options": options,
         }
-        if sinks is None:
-            return fa.flex_attention(qp, k_pool, v_pool, **kwargs)
+        if sinks is None and not with_lse:
+            return fa.flex_attention(qp, k_pool, v_pool, **kwargs), None
         if aux is not None:
             out, extra = fa.flex_attention(qp, k_pool, v_pool, return_aux=aux(lse=True), **kwargs)
-            lse = extra.lse
+            lse = extra.lse.float()
         else:  # torch < 2.9
             out, lse = fa.flex_attention(qp, k_pool, v_pool, return_lse=True, **kwargs)
-        keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
-        return (out.float() * keep[..., None]).to(out.dtype)
+            lse = lse.float()
+        if sinks is not None:
+            sink = sinks.float().view(1, -1, 1)
+            out = (out.float() * torch.sigmoid(lse - sink)[..., None]).to(out.dtype)
+            lse = torch.logaddexp(lse, sink)  # the sink is one more term of the denominator
+        return out, lse if with_lse else None
 
     if compiled:
         return run
 
-    def eager(*args: Any) -> torch.Tensor:
+    def eager(*args: Any) -> _Result:
         # compile=False is the choice that warning describes: silence it for this call only.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_UNCOMPILED, category=UserWarning)

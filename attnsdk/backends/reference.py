@@ -1,8 +1,9 @@
 """``reference``: pure-PyTorch paged attention, the oracle of every test.
 
 fp32 accumulation, one vectorised pass per sequence over its pages, every semantic of DESIGN §2
-(GQA/MQA, bottom-right causal or non-causal, sliding window, softcap, sinks, fp8 KV). Runs on
-CPU and CUDA; it is the default on a machine without a GPU.
+(GQA/MQA, bottom-right causal or non-causal, sliding window, softcap, sinks, fp8 KV) and the
+log-sum-exp (``lse=``: the log of the fp32 softmax denominator). Runs on CPU and CUDA; it is the
+default on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class ReferenceBackend(BackendBase):
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
         out: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> torch.Tensor:
         meta = plan.metadata
         qsl = meta.query_start_loc_cpu.tolist()
@@ -86,7 +88,8 @@ class ReferenceBackend(BackendBase):
                 pages = meta.page_table[b, : (seq_len + p - 1) // p].long()
                 kb = _head_major(cache.k_nhd, pages, seq_len, k_scale, ws_k)
                 vb = _head_major(cache.v_nhd, pages, seq_len, v_scale, ws_v)
-                self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1])
+                rows_lse = None if lse is None else lse[q0:q1]
+                self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1], rows_lse)
         return out
 
     def _attend(
@@ -97,8 +100,10 @@ class ReferenceBackend(BackendBase):
         layer: LayerSpec,
         sinks: torch.Tensor | None,
         out: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
-        """One sequence: q (n, Hq, D) at the last n of L positions, k/v (Hkv, L, D|Dv) fp32."""
+        """One sequence: q (n, Hq, D) at the last n of L positions, k/v (Hkv, L, D|Dv) fp32;
+        ``lse`` (n, Hq) fp32 or None."""
         n, length = q.shape[0], k.shape[1]
         hkv, g, dv = layer.num_kv_heads, layer.group_size, layer.v_dim
         chunk = max(1, self.options.max_scores // max(1, layer.num_heads * length))
@@ -133,6 +138,10 @@ class ReferenceBackend(BackendBase):
             denom = probs.sum(dim=-1, keepdim=True)
             if sink is not None:
                 denom = denom + torch.exp(sink - row_max)
+            if lse is not None:
+                # log(0) = -inf: a row that sees no key and no sink (its max was set to 0).
+                row_lse = (row_max + denom.log()).view(hkv, g, c)
+                lse[c0 : c0 + c] = row_lse.permute(2, 0, 1).flatten(1, 2)
             probs = probs.div_(denom.clamp_min(torch.finfo(torch.float32).tiny))
             o = torch.matmul(probs.view(hkv, g * c, length), v)  # (Hkv, G*c, Dv)
             out[c0 : c0 + c] = o.view(hkv, g, c, dv).permute(2, 0, 1, 3).flatten(1, 2)

@@ -17,10 +17,15 @@ read and write the same paged K/V, so steps of different kinds interleave freely
 
 CUDA graphs: captured steps run on the ``decode`` route's backend (engines capture decode and
 uniform verify batches); its ``graph_support`` is the routed backend's.
+
+``lse=`` goes to the step's backend; it is served only when every route serves it (the same
+call must not succeed on decode steps and fail on prefills), and ``Feature.LSE`` is in
+``capabilities`` only then.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,7 +33,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from attnsdk._backend import Backend, Plan
-from attnsdk._capabilities import Capabilities, Reason, ReasonKind
+from attnsdk._base import lse_reasons_of
+from attnsdk._capabilities import Capabilities, Feature, Reason, ReasonKind
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._kv import KVCache, KVCacheLayout
 from attnsdk._layer import LayerSpec
@@ -115,6 +121,8 @@ class RoutedBackend:
         """Step kind -> the backend name it runs on."""
         self._served: set[tuple[LayerSpec, KVCacheLayout]] = set()
         """(layer, layout) pairs every route serves, checked at their first forward."""
+        self._lse_served: set[tuple[LayerSpec, KVCacheLayout]] = set()
+        """(layer, layout) pairs whose ``lse=`` every route serves, checked at first use."""
         self._choose(layers=(), layout=None, device=None)
 
     # -- class side (the registry asks before creating one) -------------------------------
@@ -207,6 +215,7 @@ class RoutedBackend:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
             found = type(plan).__name__
@@ -222,6 +231,14 @@ class RoutedBackend:
                     "the routed backend cannot run this layer on every route:", reasons
                 )
             self._served.add(key)
+        if lse is not None and key is not None and key not in self._lse_served:
+            reasons = self.lse_reasons(layer, cache.layout, cache.device)
+            if reasons:
+                raise UnsupportedConfigError(
+                    "the routed backend cannot return the log-sum-exp (lse=) on every route:",
+                    reasons,
+                )
+            self._lse_served.add(key)
         return plan.backend.forward(
             q,
             k,
@@ -233,7 +250,19 @@ class RoutedBackend:
             k_scale=k_scale,
             v_scale=v_scale,
             out=out,
+            # only when asked for: a protocol backend written before lse= still serves a route
+            **({} if lse is None else {"lse": lse}),
         )
+
+    def lse_reasons(
+        self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
+    ) -> list[Reason]:
+        """Why some route cannot fill ``lse=`` for ``layer`` (field ``<kind>.<field>``)."""
+        found = set()
+        for kind in KINDS:
+            for r in lse_reasons_of(self._backends[kind], layer, layout, device):
+                found.add(Reason(r.kind, f"{kind}.{r.field}", r.message))
+        return sorted(found)
 
     def sync_check(self, device: torch.device) -> None:
         """Raise now, with a device sync, what any route's KV store recorded (debug mode)."""
@@ -301,8 +330,13 @@ class RoutedBackend:
         self.routes = dict(chosen)
         self._passed_over = passed
         self._served = set()
-        # Graphs run on the decode route: its capabilities (graph support too) are ours.
-        self.capabilities = self._backends["decode"].capabilities
+        self._lse_served = set()
+        # Graphs run on the decode route: its capabilities (graph support too) are ours, but
+        # lse= is served only where every route serves it.
+        caps = self._backends["decode"].capabilities
+        if any(Feature.LSE not in b.capabilities.features for b in self._backends.values()):
+            caps = dataclasses.replace(caps, features=caps.features - {Feature.LSE})
+        self.capabilities = caps
 
 
 def _route_reasons(

@@ -65,6 +65,24 @@ class Batch:
 
         The output buffer is poisoned with NaN first, so rows a backend forgets show up.
         """
+        return self._run(backend, cache, lse=None)
+
+    def run_with_lse(
+        self, backend: Backend, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """``run`` with ``lse=``: (out[:num_tokens], lse[:num_tokens] (T, Hq) fp32, cache).
+
+        Both buffers are poisoned with NaN first.
+        """
+        lse = torch.full(
+            (self.q.shape[0], self.layer.num_heads), float("nan"), device=self.q.device
+        )
+        out, cache = self._run(backend, cache, lse=lse)
+        return out, lse[: self.metadata.num_tokens], cache
+
+    def _run(
+        self, backend: Backend, cache: KVCache | None, *, lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor, KVCache]:
         cache = self.fresh_cache() if cache is None else cache
         plan = backend.plan(self.metadata)
         out = torch.full(
@@ -73,6 +91,9 @@ class Batch:
             dtype=self.q.dtype,
             device=self.q.device,
         )
+        # lse= only when asked for: a backend written before it (the protocol, not
+        # BackendBase) still runs.
+        extra = {} if lse is None else {"lse": lse}
         result = backend.forward(
             self.q,
             self.k,
@@ -84,6 +105,7 @@ class Batch:
             k_scale=self.k_scale,
             v_scale=self.v_scale,
             out=out,
+            **extra,
         )
         return result[: self.metadata.num_tokens], cache
 

@@ -19,13 +19,21 @@ backend's own declarations are the only way to skip a case.
 The matrix is a covering design, not a product: every batch preset on the plain layer, every
 feature on a mixed batch, every storage order and page size on a mixed batch, each dtype with a
 few features; then ``prepare`` / ``warmup``, bad metadata, ``out=``, ``k = v = None``, rows past
-``num_tokens`` and CUDA-graph replay against eager execution.
+``num_tokens`` and CUDA-graph replay against eager execution (with and without ``lse=``).
+
+The log-sum-exp (``lse=``, docs/kv_layout.md): on every preset and feature it matches the
+reference's and leaves the output bit for bit as without it; and attention split into a
+non-causal pass over a prefix of each sequence's pages and a causal pass over the rest, merged
+by ``attnsdk.merge_states``, equals one pass (the cascade / shared-prefix use). A backend whose
+``lse_reasons`` refuses a case must raise ``UnsupportedConfigError`` and write nothing; the case
+is then skipped with those reasons.
 
 Class attributes a subclass may set: ``dtypes`` (default: fp16, bf16 and fp32; those the backend
 does not declare are checked to be refused), ``page_sizes`` (of the layout cases), ``page_size``
 (of the others), ``seeds`` (random batches per case), ``atol`` / ``rtol`` (override the
-dtype-derived tolerance), and the hooks ``tolerance`` and ``reference_batch`` for precision
-choices a backend documents (fa3 multiplies fp8 KV with q cast to fp8).
+dtype-derived tolerance), and the hooks ``tolerance``, ``lse_tolerance`` and
+``reference_batch`` for precision choices a backend documents (fa3 multiplies fp8 KV with q
+cast to fp8).
 """
 
 from __future__ import annotations
@@ -38,12 +46,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pytest
 import torch
 
-from attnsdk._base import BackendBase
+from attnsdk._base import BackendBase, lse_reasons_of
 from attnsdk._capabilities import GraphSupport
 from attnsdk._create import create_backend, explain
 from attnsdk._errors import InvalidMetadataError, UnsupportedConfigError
 from attnsdk._kv import COMPUTE_DTYPES, KVCache, KVCacheLayout
 from attnsdk._layer import LayerSpec
+from attnsdk._merge import merge_states
 from attnsdk._metadata import AttentionMetadata
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.graphs import GraphRunner
@@ -106,6 +115,16 @@ prefill, mixed, speculative verify, long context, empty rows, graph padding) and
 several tokens."""
 
 _DTYPE_FEATURES = ("gqa", "everything", "fp8-e4m3")
+_LSE_FEATURES = (
+    "gqa", "mqa", "window", "noncausal", "noncausal-window", "softcap", "sinks", "v-head-dim",
+    "fp8-e4m3", "everything",
+)  # fmt: skip
+_SPLIT_FEATURES = ("gqa", "softcap", "sinks")
+"""Layers whose keys split into a prefix and a suffix pass exactly (no window)."""
+_LSE_TOLERANCE = (5e-3, 1e-3)
+"""(atol, rtol) of the log-sum-exp: fp32 from the same inputs on both sides; the slack covers
+approximate exp2 / tanh (softcap) instructions. A missing sink term or a base-2 value misses it
+by far more (the sink cases check that sinks move the lse by 10 * atol at least)."""
 
 
 def _mixed(seed: int) -> BatchSpec:
@@ -138,6 +157,13 @@ class BackendConformance:
             atol if self.atol is None else self.atol,
             rtol if self.rtol is None else self.rtol,
         )
+
+    def lse_tolerance(self, layout: KVCacheLayout) -> tuple[float, float]:
+        """(atol, rtol) of the log-sum-exp comparison: ``_LSE_TOLERANCE``, or the output's
+        tolerance with fp8 KV (a backend may round q differently around the fp8 scales)."""
+        if layout.is_quantized:
+            return self.tolerance(layout)
+        return _LSE_TOLERANCE
 
     def reference_batch(self, batch: Batch) -> Batch:
         """The batch the reference runs: override to model rounding the backend documents."""
@@ -339,10 +365,97 @@ class BackendConformance:
         self._assert_output(out[:n], ref, layout)
         _assert_same_cache(cache, ref_cache, batch.metadata, exact=not layout.is_quantized)
 
+    # -- the log-sum-exp ----------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        ("feature", "preset"),
+        [("mha", p) for p in sorted(PRESETS)] + [(f, "mixed") for f in _LSE_FEATURES],
+        ids=[f"mha-{p}" for p in sorted(PRESETS)] + list(_LSE_FEATURES),
+    )
+    def test_lse(self, subject: Backend, oracle: Backend, feature: str, preset: str) -> None:
+        """``lse=`` matches the reference's log-sum-exp; the output is bit for bit the one
+        without it; refusals (``lse_reasons``) write nothing."""
+        f = FEATURES[feature]
+        spec = PRESETS.get(preset, _mixed)
+        layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
+        for seed in range(self.seeds):
+            batch = self._batch(layer, layout, spec(seed), seed, per_head=f.per_head_scales)
+            self._require(subject, batch)
+            self._require_lse(subject, batch)
+            out, lse, cache = batch.run_with_lse(subject)
+            plain, _ = batch.run(subject)
+            ref_out, ref_lse, ref_cache = self.reference_batch(batch).run_with_lse(oracle)
+            self._assert_output(out, ref_out, layout)
+            assert torch.equal(out, plain), "asking for lse= changed the output"
+            self._assert_lse(lse, ref_lse, layout)
+            _assert_same_cache(cache, ref_cache, batch.metadata, exact=not layout.is_quantized)
+            if layer.has_sinks and batch.metadata.num_tokens:
+                plain_layer = dataclasses.replace(layer, has_sinks=False)
+                no_sink = dataclasses.replace(batch, layer=plain_layer, sinks=None)
+                _, without, _ = self.reference_batch(no_sink).run_with_lse(oracle)
+                gap = float((ref_lse - without).abs().max())
+                assert gap > 10 * self.lse_tolerance(layout)[0], f"sinks moved lse by {gap:.3g}"
+
+    @pytest.mark.parametrize("kind", ["decode", "extend"])
+    @pytest.mark.parametrize("feature", _SPLIT_FEATURES)
+    def test_lse_split_and_merge_equals_one_pass(
+        self, subject: Backend, feature: str, kind: str
+    ) -> None:
+        """Cascade attention: a non-causal pass over the first pages of each sequence and a
+        causal pass over the rest (the sinks in that one only), merged with
+        ``attnsdk.merge_states``, equal one pass over all keys, output and lse."""
+        layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
+        prefix_layer = dataclasses.replace(layer, causal=False, has_sinks=False)
+        dev = torch.device(self.device)
+        reasons = [
+            *subject.unsupported_reasons(layer, layout, dev),
+            *subject.unsupported_reasons(prefix_layer, layout, dev),
+            *lse_reasons_of(subject, layer, layout, dev),
+            *lse_reasons_of(subject, prefix_layer, layout, dev),
+        ]
+        if reasons:
+            pytest.skip("declared unsupported: " + "; ".join(map(str, sorted(set(reasons)))))
+        p = layout.page_size
+        r = random.Random(f"{feature}-{kind}")
+        n = [1 if kind == "decode" else r.randint(1, 7) for _ in range(5)]
+        prefix_pages = [max(r.randint(1, 3), -(-q // p)) for q in n]  # prefix_len >= query_len
+        suffix = [q + r.randint(0, 2 * p) for q in n]  # the new tokens sit in the suffix
+        seq = [m * p + s for m, s in zip(prefix_pages, suffix)]
+        batch = self._batch(layer, layout, BatchSpec(tuple(n), tuple(seq)), seed=len(feature))
+        cache = batch.fresh_cache()
+        sinks = {"sinks": batch.sinks} if layer.has_sinks else {}
+
+        def attend(
+            lens: list[int], table: torch.Tensor, spec: LayerSpec, *, write: bool, **kw: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            meta = AttentionMetadata.from_seqlens(n, lens, table, p, device=dev)
+            lse = torch.full((batch.q.shape[0], spec.num_heads), float("nan"), device=dev)
+            k, v = (batch.k, batch.v) if write else (None, None)
+            out = subject.forward(batch.q, k, v, cache, subject.plan(meta), spec, lse=lse, **kw)
+            return out, lse
+
+        table = batch.metadata.page_table.cpu()
+        full, full_lse = attend(seq, table, layer, write=True, **sinks)
+        # The parts read the cache the full pass wrote: each its own page table and lengths.
+        prefix_table = _rows(table, [(0, m) for m in prefix_pages])
+        suffix_table = _rows(table, [(m, m + -(-s // p)) for m, s in zip(prefix_pages, suffix)])
+        prefix_lens = [m * p for m in prefix_pages]
+        out_a, lse_a = attend(prefix_lens, prefix_table, prefix_layer, write=False)
+        out_b, lse_b = attend(suffix, suffix_table, layer, write=False, **sinks)
+        out, lse = merge_states(out_a, lse_a, out_b, lse_b)
+        self._assert_output(out, full, layout)
+        self._assert_lse(lse, full_lse, layout)
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
     @pytest.mark.parametrize("tokens_per_seq", [1, 3])
-    def test_graph_replay_equals_eager(self, subject: Backend, tokens_per_seq: int) -> None:
+    def test_graph_replay_equals_eager(
+        self, subject: Backend, tokens_per_seq: int, with_lse: bool
+    ) -> None:
         """CUDA-graph capture (``GraphRunner`` over graph_state / plan_for_capture /
-        plan_for_replay) then replay of smaller batches equals eager execution."""
+        plan_for_replay) then replay of smaller batches equals eager execution (also the
+        ``lse=`` a captured step writes into a static buffer)."""
         if torch.device(self.device).type != "cuda":
             pytest.skip(f"CUDA graphs need a CUDA device; this class runs on {self.device}")
         level = subject.capabilities.graph_support
@@ -353,9 +466,11 @@ class BackendConformance:
             )
         layer, layout = self._case("gqa", self._dtype(subject), "NHD", self.page_size)
         reasons = subject.unsupported_reasons(layer, layout, self.device)
+        if with_lse:
+            reasons += lse_reasons_of(subject, layer, layout, torch.device(self.device))
         if reasons:
             pytest.skip("; ".join(map(str, reasons)))
-        self._graph_vs_eager(subject, layer, layout, tokens_per_seq, level)
+        self._graph_vs_eager(subject, layer, layout, tokens_per_seq, level, with_lse)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -366,6 +481,7 @@ class BackendConformance:
         layout: KVCacheLayout,
         tokens_per_seq: int,
         level: GraphSupport,
+        with_lse: bool,
     ) -> None:
         dev, p, max_pages, num_pages = torch.device(self.device), layout.page_size, 8, 200
         gen = torch.Generator().manual_seed(tokens_per_seq)
@@ -374,10 +490,16 @@ class BackendConformance:
             x.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
         eager_cache = _copy(graph_cache)
 
-        def step(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return subject.forward(q, k, v, graph_cache, plan, layer)
-
         sizes = [1, 3, 8]
+        # The captured steps write each row's lse into one static buffer (a prefix per size).
+        static_lse = torch.full(
+            (sizes[-1] * tokens_per_seq, layer.num_heads), float("nan"), device=dev
+        )
+
+        def step(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            lse = {"lse": static_lse[: q.shape[0]]} if with_lse else {}
+            return subject.forward(q, k, v, graph_cache, plan, layer, **lse)
+
         runner = GraphRunner(
             subject, step, batch_sizes=sizes, max_pages=max_pages, page_size=p,
             tokens_per_seq=tokens_per_seq, device=dev,
@@ -403,8 +525,12 @@ class BackendConformance:
             t = meta.num_tokens
             q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, dv)
             got = runner(meta, q, k, v).clone()
-            want = subject.forward(q, k, v, eager_cache, subject.plan(meta), layer)[:t]
+            eager_lse = torch.full((t, layer.num_heads), float("nan"), device=dev)
+            lse = {"lse": eager_lse} if with_lse else {}
+            want = subject.forward(q, k, v, eager_cache, subject.plan(meta), layer, **lse)[:t]
             self._assert_output(got, want, layout)
+            if with_lse:
+                self._assert_lse(static_lse[:t], eager_lse, layout)
             _assert_same_cache(graph_cache, eager_cache, meta, exact=True)
 
     def _dtype(self, subject: Backend) -> torch.dtype:
@@ -481,6 +607,24 @@ class BackendConformance:
         _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
         pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
 
+    def _require_lse(self, subject: Backend, batch: Batch) -> None:
+        """Skip, with its reasons, a case whose ``lse=`` the backend declares it cannot fill,
+        after checking that forward refuses it and writes nothing."""
+        layout = batch.cache.layout
+        reasons = lse_reasons_of(subject, batch.layer, layout, torch.device(self.device))
+        if not reasons:
+            return
+        cache = _copy(batch.cache)
+        with pytest.raises(UnsupportedConfigError):
+            batch.run_with_lse(subject, cache)
+        _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
+        pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+
+    def _assert_lse(self, lse: torch.Tensor, ref: torch.Tensor, layout: KVCacheLayout) -> None:
+        assert lse.dtype == torch.float32, f"lse dtype {lse.dtype}"
+        atol, rtol = self.lse_tolerance(layout)
+        assert_close_to_reference(lse, ref, atol=atol, rtol=rtol)
+
     def _check(
         self,
         subject: Backend,
@@ -519,6 +663,15 @@ class BackendConformance:
         self._assert_output(out, ref, layout)
         _assert_same_cache(cache, ref_cache, batch.metadata, exact=not layout.is_quantized)
         return out
+
+
+def _rows(table: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """A page table whose row b is ``table[b, start:stop]``, padded with the reserved page 0."""
+    width = max(1, *(stop - start for start, stop in spans))
+    rows = torch.zeros(len(spans), width, dtype=table.dtype)
+    for b, (start, stop) in enumerate(spans):
+        rows[b, : stop - start] = table[b, start:stop]
+    return rows
 
 
 def _layers_for(layout: KVCacheLayout) -> list[LayerSpec]:

@@ -175,6 +175,39 @@ def test_compiled_cpu_refuses_sinks_with_a_reason() -> None:
     assert A.explain("flex", layer, layout, "cpu") == {"flex": []}
 
 
+def test_compiled_cpu_refuses_lse_before_anything_is_written() -> None:
+    """Compiled flex returns no log-sum-exp on a CPU: lse= is refused per call, naming it and
+    the way out, before the store (the layer itself is served)."""
+    layer, layout = layer_and_layout()
+    compiled = FlexBackend(FlexOptions(compile=True))
+    cpu = torch.device("cpu")
+    reasons = compiled.lse_reasons(layer, layout, cpu)
+    assert [r.field for r in reasons] == ["lse"]
+    assert "compile=False" in reasons[0].message
+    assert eager.lse_reasons(layer, layout, cpu) == []
+    batch = make_batch(BatchSpec.mixed(seed=2), layer, layout, seed=2)
+    k, v = batch.cache.k.clone(), batch.cache.v.clone()
+    with pytest.raises(A.UnsupportedConfigError, match="compile=False"):
+        batch.run_with_lse(compiled, batch.cache)
+    assert torch.equal(batch.cache.k, k)
+    assert torch.equal(batch.cache.v, v)
+    assert compiled.compile_stats == []
+
+
+def test_lse_of_the_step_function_is_asked_for_only_when_needed() -> None:
+    """A call without lse= on a layer without sinks runs flex without its log-sum-exp; one
+    with lse= is another shape bucket, both matching the reference."""
+    backend = FlexBackend(FlexOptions(compile=False))
+    layer, layout = layer_and_layout(num_heads=8, num_kv_heads=2)
+    batch = make_batch(BatchSpec.mixed(seed=3), layer, layout, seed=3)
+    plain, _ = batch.run(backend)
+    out, lse, _ = batch.run_with_lse(backend)
+    _, ref_lse, _ = batch.run_with_lse(reference)
+    assert torch.equal(out, plain)
+    assert_close_to_reference(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert sorted(key[-2] for key in backend._buckets) == [False, True]
+
+
 def test_registered_and_options() -> None:
     assert "flex" in A.backend_names()
     backend = A.create_backend(A.AttentionConfig(backend="flex", compile=False))

@@ -1,7 +1,7 @@
 """The reference backend against the independent float64 oracle (tests/oracle.py).
 
-Every case checks the output of each real query row and the whole cache afterwards: the new
-K/V at ``slot_mapping`` and every other byte unchanged.
+Every case checks the output and the log-sum-exp of each real query row, and the whole cache
+afterwards: the new K/V at ``slot_mapping`` and every other byte unchanged.
 """
 
 from __future__ import annotations
@@ -33,15 +33,30 @@ reference = ReferenceBackend()
 
 
 def check(batch: Batch, backend: ReferenceBackend = reference) -> torch.Tensor:
-    """Run ``backend`` (output poisoned with NaN) and compare output and cache with the oracle."""
+    """Run ``backend`` (outputs poisoned with NaN) with and without ``lse=``; compare output,
+    log-sum-exp and cache with the oracle, and the two outputs bit for bit."""
     out, cache = batch.run(backend)
-    expected, k_expected, v_expected = run_oracle(batch)
+    out_lse, lse, cache_lse = batch.run_with_lse(backend)
+    expected = run_oracle(batch)
     tol = _TOL[batch.q.dtype]
-    assert_close_to_reference(out, expected.float(), atol=tol, rtol=tol)
+    assert_close_to_reference(out, expected.out.float(), atol=tol, rtol=tol)
+    assert torch.equal(out_lse, out), "asking for the log-sum-exp changed the output"
+    assert_lse_close(lse, expected.lse)
     order = cache.layout.kv_order.value
-    assert_same_bits(to_nhd(cache.k, order), k_expected, "K cache")
-    assert_same_bits(to_nhd(cache.v, order), v_expected, "V cache")
+    for c in (cache, cache_lse):
+        assert_same_bits(to_nhd(c.k, order), expected.k, "K cache")
+        assert_same_bits(to_nhd(c.v, order), expected.v, "V cache")
     return out
+
+
+def assert_lse_close(lse: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 log-sum-exp against the float64 oracle: equal -inf where the oracle has -inf."""
+    assert lse.dtype == torch.float32
+    assert lse.shape == expected.shape, (lse.shape, expected.shape)
+    got = lse.cpu()
+    assert torch.equal(got.isneginf(), expected.isneginf()), "rows with -inf differ"
+    finite = ~expected.isneginf()
+    assert_close_to_reference(got[finite], expected[finite].float(), atol=2e-5, rtol=2e-5)
 
 
 def layer_and_layout(
@@ -225,12 +240,12 @@ def test_no_new_kv_writes_nothing(kv_dtype: torch.dtype | None) -> None:
         k_scale=batch.k_scale,
         v_scale=batch.v_scale,
     )
-    expected, k_expected, v_expected = run_oracle(batch, write=False)
-    assert_close_to_reference(out, expected.float(), atol=2e-5, rtol=2e-5)
+    expected = run_oracle(batch, write=False)
+    assert_close_to_reference(out, expected.out.float(), atol=2e-5, rtol=2e-5)
     assert_same_bits(cache.k, batch.cache.k, "K cache")
     assert_same_bits(cache.v, batch.cache.v, "V cache")
-    assert_same_bits(cache.k, k_expected, "K cache")
-    assert_same_bits(cache.v, v_expected, "V cache")
+    assert_same_bits(cache.k, expected.k, "K cache")
+    assert_same_bits(cache.v, expected.v, "V cache")
 
 
 def test_new_kv_is_what_the_step_reads() -> None:

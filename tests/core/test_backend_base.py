@@ -44,7 +44,7 @@ class Dense(A.BackendBase):
         self.calls.append("make_plan")
         return super().make_plan(meta)
 
-    def attend(self, q, cache, plan, layer, state, *, sinks, k_scale, v_scale, out):  # type: ignore[no-untyped-def]
+    def attend(self, q, cache, plan, layer, state, *, sinks, k_scale, v_scale, out, lse):  # type: ignore[no-untyped-def]
         meta, p = plan.metadata, cache.layout.page_size
         qsl, lens = meta.query_start_loc_cpu.tolist(), meta.seq_lens_cpu.tolist()
         for b, length in enumerate(lens):
@@ -94,6 +94,22 @@ def test_forward_refuses_a_layer_it_cannot_serve_before_writing() -> None:
     with pytest.raises(A.UnsupportedConfigError, match="sliding_window"):
         Dense().forward(batch.q, batch.k, batch.v, batch.cache, plan, layer)
     assert torch.equal(batch.cache.k, before)
+
+
+def test_forward_refuses_lse_without_the_feature_before_writing() -> None:
+    """Dense does not declare Feature.LSE: lse= is refused, naming it, and nothing is written."""
+    batch = make_batch(BatchSpec(query_lens=(2, 1), seq_lens=(5, 3)), GQA, LAYOUT, seed=2)
+    dense = Dense()
+    assert [r.field for r in dense.lse_reasons(GQA, LAYOUT, torch.device("cpu"))] == ["lse"]
+    k, v = batch.cache.k.clone(), batch.cache.v.clone()
+    with pytest.raises(A.UnsupportedConfigError, match=r"log-sum-exp \(lse=\)") as info:
+        batch.run_with_lse(dense, batch.cache)
+    assert [r.field for r in info.value.reasons] == ["lse"]
+    assert torch.equal(batch.cache.k, k)
+    assert torch.equal(batch.cache.v, v)
+    assert dense.prepared == [], "the refused call prepared the layer"
+    out, _ = batch.run(dense)  # without lse= it serves the layer
+    assert torch.isfinite(out).all()
 
 
 def test_prepare_names_every_layer_it_cannot_serve() -> None:

@@ -36,6 +36,7 @@ from attnsdk import (
     Plan,
     UnsupportedConfigError,
 )
+from attnsdk._debug import wrap_debug
 from attnsdk.backends.reference import ReferenceBackend, ReferenceOptions
 from attnsdk.testing import BatchSpec, make_batch
 
@@ -550,6 +551,7 @@ def forward_kwargs(batch: Batch, meta: AttentionMetadata | None = None) -> dict[
         "k_scale": batch.k_scale,
         "v_scale": batch.v_scale,
         "out": None,
+        "lse": None,
     }
 
 
@@ -572,9 +574,9 @@ def forward_case(
     cache = kwargs["cache"]
     kwargs.update(changes(batch))
     watch: tuple[torch.Tensor, ...] = (cache.k, cache.v)
-    out = kwargs["out"]
-    if isinstance(out, torch.Tensor) and out.device.type != "meta":
-        watch += (out.fill_(7.0),)
+    for buffer in (kwargs["out"], kwargs["lse"]):
+        if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
+            watch += (buffer.fill_(7.0),)
     backend = DEBUG if via == "debug" else REF
     return Case(f"{via}/{name}", lambda: backend.forward(**kwargs), error, field, watch)
 
@@ -611,6 +613,12 @@ ARGUMENTS: list[tuple[str, str, Changes, dict[str, bool]]] = [
     ),
     ("out-list", "out", lambda b: {"out": [0.0]}, {}),
     ("out-int32", "out.dtype", lambda b: {"out": torch.zeros(T, HQ, DV, dtype=torch.int32)}, {}),
+    ("lse-list", "lse", lambda b: {"lse": [0.0] * HQ}, {}),
+    ("lse-bf16", "lse.dtype", lambda b: {"lse": torch.zeros(T, HQ, dtype=torch.bfloat16)}, {}),
+    ("lse-other-device", "lse.device", lambda b: {"lse": torch.empty(T, HQ, device="meta")}, {}),
+    ("lse-3d", "lse.shape", lambda b: {"lse": torch.zeros(T, HQ, 1)}, {}),
+    ("lse-head-major", "lse.shape", lambda b: {"lse": torch.zeros(HQ, T)}, {}),
+    ("lse-transposed-view", "lse.stride()", lambda b: {"lse": torch.zeros(HQ, T).t()}, {}),
     ("sinks-list", "sinks", lambda b: {"sinks": [0.0] * HQ}, {"sinks": True}),
     ("sinks-other-device", "sinks.device", lambda b: {"sinks": dev(b.sinks)}, {"sinks": True}),
     ("k-scale-float", "k_scale", lambda b: {"k_scale": 0.5}, {"quantized": True}),
@@ -641,6 +649,7 @@ DEBUG_ONLY_ARGUMENTS: list[tuple[str, str, Changes, dict[str, bool]]] = [
     ("sinks-missing", "sinks", lambda b: {"sinks": None}, {"sinks": True}),
     ("v-scale-on-fp32-cache", "v_scale", lambda b: {"v_scale": torch.ones(())}, {}),
     ("out-fewer-rows", "out.shape", lambda b: {"out": torch.empty(T - 1, HQ, DV)}, {}),
+    ("lse-fewer-rows", "lse.shape", lambda b: {"lse": torch.empty(T - 1, HQ)}, {}),
 ]
 
 # Finite, positive values: only debug mode reads the tensors' values.
@@ -1414,6 +1423,44 @@ GRAPH_CASES = [
     replay_case("longer-seq-than-capacity", "max_seq_len", real([1], [3 * P + 1]), via="debug"),
 ]
 
+# --- merge_states -------------------------------------------------------------------------------
+
+
+def merge_case(name: str, field: str, **changes: Any) -> Case:
+    """merge_states with one bad argument; the out / lse_out buffers it was given stay as they
+    were (a refused merge writes nothing)."""
+    args: dict[str, Any] = {
+        "out_a": torch.randn(T, HQ, DV),
+        "lse_a": torch.randn(T, HQ),
+        "out_b": torch.randn(T, HQ, DV),
+        "lse_b": torch.randn(T, HQ),
+        "out": torch.full((T, HQ, DV), 7.0),
+        "lse_out": torch.full((T, HQ), 7.0),
+    }
+    args.update(changes)
+    watch = tuple(t for t in (args["out"], args["lse_out"]) if isinstance(t, torch.Tensor))
+    return Case(f"merge_states/{name}", lambda: A.merge_states(**args), IIE, field, watch)
+
+
+MERGE_CASES = [
+    merge_case("out-a-list", "out_a", out_a=[0.0]),
+    merge_case("out-a-2d", "out_a.shape", out_a=torch.randn(T, HQ)),
+    merge_case("out-a-int32", "out_a.dtype", out_a=torch.zeros(T, HQ, DV, dtype=torch.int32)),
+    merge_case("out-a-fp64", "out_a.dtype", out_a=torch.zeros(T, HQ, DV, dtype=torch.float64)),
+    merge_case("out-b-fewer-rows", "out_b.shape", out_b=torch.randn(T - 1, HQ, DV)),
+    merge_case("out-b-bf16", "out_b.dtype", out_b=torch.randn(T, HQ, DV).bfloat16()),
+    merge_case("out-b-other-device", "out_b.device", out_b=torch.empty(T, HQ, DV, device="meta")),
+    merge_case("lse-a-none", "lse_a", lse_a=None),
+    merge_case("lse-a-head-major", "lse_a.shape", lse_a=torch.randn(HQ, T)),
+    merge_case("lse-a-bf16", "lse_a.dtype", lse_a=torch.randn(T, HQ).bfloat16()),
+    merge_case("lse-b-3d", "lse_b.shape", lse_b=torch.randn(T, HQ, 1)),
+    merge_case("lse-b-other-device", "lse_b.device", lse_b=torch.empty(T, HQ, device="meta")),
+    merge_case("out-fp16", "out.dtype", out=torch.zeros(T, HQ, DV, dtype=torch.float16)),
+    merge_case("out-wider", "out.shape", out=torch.zeros(T, HQ, DV + 1)),
+    merge_case("lse-out-fewer-heads", "lse_out.shape", lse_out=torch.zeros(T, HQ - 1)),
+    merge_case("lse-out-fp16", "lse_out.dtype", lse_out=torch.zeros(T, HQ, dtype=torch.float16)),
+]
+
 CORE_CASES = [
     *LAYER_CASES,
     *LAYOUT_CASES,
@@ -1431,6 +1478,7 @@ CORE_CASES = [
     *CREATE_CASES,
     *EXPLAIN_CASES,
     *GRAPH_CASES,
+    *MERGE_CASES,
 ]
 
 
@@ -1458,7 +1506,37 @@ def test_forward_baseline(via: str, variant: dict[str, bool]) -> None:
     (DEBUG if via == "debug" else REF).forward(**kwargs)
 
 
+@pytest.mark.parametrize("via", ["reference", "debug"])
+def test_forward_baseline_with_lse(via: str) -> None:
+    kwargs = forward_kwargs(make(sinks=True))
+    kwargs["lse"] = torch.full((T, HQ), NAN)
+    (DEBUG if via == "debug" else REF).forward(**kwargs)
+    assert bool(torch.isfinite(kwargs["lse"]).all())
+
+
+@pytest.mark.parametrize(("value", "refused"), [(NAN, True), (INF, True), (-INF, False)])
+def test_debug_mode_checks_the_lse_a_backend_wrote(value: float, refused: bool) -> None:
+    """-inf is a valid log-sum-exp (a row that sees no key and no sink); NaN and +inf are not."""
+
+    class Faulty(ReferenceBackend):
+        def attend(self, *args: Any, lse: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+            out = super().attend(*args, lse=lse, **kwargs)
+            if lse is not None:
+                lse[T - 1, 1] = value
+            return out
+
+    kwargs = forward_kwargs(make())
+    kwargs["lse"] = torch.empty(T, HQ)
+    debug = wrap_debug(Faulty())
+    if refused:
+        with pytest.raises(A.AttnSDKError, match=r"at lse\[8, 1\]"):
+            debug.forward(**kwargs)
+    else:
+        debug.forward(**kwargs)
+
+
 def test_other_baselines(tmp_path: Path) -> None:
+    merge_case("baseline", "").call()
     LayerSpec(4, 2, 16)
     KVCacheLayout(2, 16, 4)
     ALLOC_LAYOUT.allocate(4, device="cpu")

@@ -44,6 +44,7 @@ PUBLIC = [
     "backend_names",
     "create_backend",
     "explain",
+    "merge_states",
     "register_backend",
 ]
 

@@ -20,9 +20,11 @@ PLAIN = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
 SOFTCAP = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, softcap=20.0)
 
 
-def counting(name: str, *, softcap: bool = True) -> type[ReferenceBackend]:
-    """The reference maths under another name, counting forwards, optionally without softcap."""
+def counting(name: str, *, softcap: bool = True, lse: bool = True) -> type[ReferenceBackend]:
+    """The reference maths under another name, counting forwards, optionally without softcap
+    or without the log-sum-exp."""
     features = set(A.Feature) - (set() if softcap else {A.Feature.SOFTCAP})
+    features -= set() if lse else {A.Feature.LSE}
 
     class Counting(ReferenceBackend):
         capabilities = A.Capabilities(
@@ -241,3 +243,39 @@ def test_a_layer_one_route_cannot_serve_is_refused_at_the_first_step(
     with pytest.raises(A.UnsupportedConfigError, match="every route"):
         backend.forward(batch.q, batch.k, batch.v, batch.cache, plan, SOFTCAP)
     assert torch.equal(batch.cache.k, before)
+
+
+def test_lse_goes_to_the_step_s_backend(three: dict[str, type[ReferenceBackend]]) -> None:
+    backend = routed_over_three()
+    assert A.Feature.LSE in backend.capabilities.features
+    for query_lens, seq_lens in (((1, 1), (5, 9)), ((4, 3), (4, 3))):
+        batch = make_batch(BatchSpec(query_lens, seq_lens), PLAIN, LAYOUT, seed=5)
+        out, lse, _ = batch.run_with_lse(backend)
+        expected_out, expected_lse, _ = batch.run_with_lse(ReferenceBackend())
+        assert torch.equal(out, expected_out)
+        assert torch.equal(lse, expected_lse)
+
+
+def test_lse_one_route_cannot_return_is_refused_on_every_step() -> None:
+    """The decode route could fill lse=, the prefill route could not: a decode step refuses it
+    too (and writes nothing), so a model does not fail only at its first prefill."""
+    handles = [
+        A.register_backend("dec", counting("dec")),
+        A.register_backend("nolse", counting("nolse", lse=False)),
+    ]
+    try:
+        config = A.AttentionConfig(backend="routed", decode="dec", prefill="nolse", mixed="dec")
+        backend = A.create_backend(config, device="cpu")
+        assert isinstance(backend, RoutedBackend)
+        assert A.Feature.LSE not in backend.capabilities.features
+        batch = make_batch(BatchSpec((1, 1), (5, 9)), PLAIN, LAYOUT, seed=6)  # a decode step
+        before = batch.cache.k.clone()
+        with pytest.raises(A.UnsupportedConfigError, match="every route") as info:
+            batch.run_with_lse(backend, batch.cache)
+        assert [r.field for r in info.value.reasons] == ["prefill.lse"]
+        assert torch.equal(batch.cache.k, before)
+        out, _ = batch.run(backend)  # without lse= the step runs
+        assert torch.isfinite(out).all()
+    finally:
+        for h in handles:
+            h.remove()

@@ -217,6 +217,53 @@ def test_out_none_allocates(fa3: A.Backend, ref: A.Backend) -> None:
     assert_close_to_reference(out, expected)
 
 
+@pytest.mark.parametrize("name", ["sinks-bf16", "sinks-fp16-window"])
+def test_lse_counts_the_sink_once(fa3: A.Backend, ref: A.Backend, name: str) -> None:
+    """FA3's softmax_lse with sinks already holds the sink term, once, also when the KV is
+    split (long decodes): attnsdk copies it as it is (``_fa3_kernels._copy_lse``)."""
+    specs = [
+        BatchSpec.decode(6, 300, seed=2),
+        BatchSpec.mixed(seed=2),
+        BatchSpec.long_context(batch_size=2, context=6000),
+    ]
+    for i, spec in enumerate(specs):
+        batch = _build(name, spec, i)
+        # FA3 reads sinks as bf16: values it can hold exactly, so only the lse is compared.
+        sinks = torch.linspace(-2.0, 7.0, batch.layer.num_heads, device=DEV).bfloat16().float()
+        strong = dataclasses.replace(batch, sinks=sinks)
+        _, lse, _ = strong.run_with_lse(fa3)
+        _, want, _ = strong.run_with_lse(ref)
+        keys_only = dataclasses.replace(
+            strong, layer=dataclasses.replace(batch.layer, has_sinks=False), sinks=None
+        )
+        _, without, _ = keys_only.run_with_lse(ref)
+        err = float((lse - want).abs().max())
+        err_keys = float((lse - without).abs().max())
+        assert err < 5e-3, (
+            f"{spec.name}: FA3's lse differs from the reference's by {err:.3g}; from the "
+            f"keys-only lse by {err_keys:.3g} (near 0: this build leaves the sink out, and "
+            "_copy_lse must add it with torch.logaddexp(lse, sinks))"
+        )
+
+
+def test_lse_matches_reference(fa3: A.Backend, ref: A.Backend) -> None:
+    """Natural log, through the direct op's (Hq, T) softmax_lse, for mixed batches with
+    padding rows, fp8 KV (q rounded to fp8 on both sides) and a window."""
+    for name in ("gqa-d128-bf16-p16", "window-causal", "noncausal", "fp8-tensor-scale"):
+        spec = BatchSpec.mixed(batch_size=5, seed=4).with_padding(rows=2)
+        batch = _build(name, spec, 4)
+        if batch.cache.layout.is_quantized:
+            batch_ref = dataclasses.replace(batch, q=batch.q.to(FP8).to(batch.q.dtype))
+            tol = 6e-2
+        else:
+            batch_ref, tol = batch, 5e-3
+        out, lse, _ = batch.run_with_lse(fa3)
+        plain, _ = batch.run(fa3)
+        _, want, _ = batch_ref.run_with_lse(ref)
+        assert torch.equal(out, plain), name
+        assert_close_to_reference(lse, want, atol=tol, rtol=1e-3)
+
+
 def test_no_device_sync(fa3: A.Backend) -> None:
     batch = _build("fp8-tensor-scale", BatchSpec.mixed(seed=6), 6)
     cache = batch.fresh_cache()
@@ -224,6 +271,7 @@ def test_no_device_sync(fa3: A.Backend) -> None:
     fa3.forward(batch.q, batch.k, batch.v, cache, fa3.plan(batch.metadata), batch.layer, **kw)
     state = fa3.graph_state(8, 1024, 32, page_size=16, device=DEV)
     captured = fa3.plan_for_capture(state, 8, 1024)
+    lse = torch.empty(batch.q.shape[0], batch.layer.num_heads, device=DEV)
     torch.cuda.synchronize()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "sync debug mode is a prototype"
@@ -231,6 +279,7 @@ def test_no_device_sync(fa3: A.Backend) -> None:
             torch.cuda.set_sync_debug_mode("error")
             plan = fa3.plan(batch.metadata)
             fa3.forward(batch.q, batch.k, batch.v, cache, plan, batch.layer, **kw)
+            fa3.forward(batch.q, None, None, cache, plan, batch.layer, lse=lse, **kw)
             fa3.plan_for_replay(captured, batch.metadata)
         finally:
             torch.cuda.set_sync_debug_mode("default")

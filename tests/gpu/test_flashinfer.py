@@ -7,6 +7,7 @@ first run JIT-compiles each FlashInfer variant that is not ahead-of-time compile
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import warnings
 
@@ -196,6 +197,32 @@ def test_sinks_change_the_output(fi: A.Backend, ref: A.Backend) -> None:
         assert_close_to_reference(out, ref_out)
 
 
+@pytest.mark.parametrize(
+    "name", ["gqa-d128-bf16-p16", "sinks-bf16", "sinks-fp16-window-hnd", "softcap", "v-head-dim"]
+)
+def test_lse_is_the_natural_log_with_the_sink(fi: A.Backend, ref: A.Backend, name: str) -> None:
+    """FlashInfer's base-2 lse times ln 2, on every wrapper (decode, prefill, their sink
+    variants); the sink variants fold the sink term in."""
+    cuda_cores = FlashInferBackend(FlashInferOptions(decode="cuda_cores"))
+    specs = [BatchSpec.decode(6, 300, seed=2), BatchSpec.mixed(seed=2).with_padding(rows=2)]
+    for i, spec in enumerate(specs):
+        batch = _build(name, spec, i)
+        if batch.layer.has_sinks:
+            heads = batch.layer.num_heads
+            batch = dataclasses.replace(batch, sinks=torch.linspace(-2.0, 7.0, heads, device=DEV))
+        _, want, _ = batch.run_with_lse(ref)
+        for backend in (fi, cuda_cores) if name == "gqa-d128-bf16-p16" else (fi,):
+            out, lse, _ = batch.run_with_lse(backend)
+            plain, _ = batch.run(backend)
+            assert torch.equal(out, plain), f"{name}/{spec.name}: lse= changed the output"
+            err = float((lse - want).abs().max())
+            unscaled = float((lse / math.log(2.0) - want).abs().max())
+            assert err < 5e-3, (
+                f"{name}/{spec.name}: lse differs from the reference's by {err:.3g}; divided "
+                f"by ln 2 by {unscaled:.3g} (near 0: FlashInfer's lse is already natural)"
+            )
+
+
 def test_kv_already_written(fi: A.Backend, ref: A.Backend) -> None:
     """k = v = None: the caller wrote the cache; flashinfer only attends."""
     batch = _build("gqa-d128-bf16-p16", BatchSpec.mixed(seed=5), 5)
@@ -353,6 +380,7 @@ def test_no_device_sync(fi: A.Backend) -> None:
     fi.forward(batch.q, batch.k, batch.v, cache, fi.plan(batch.metadata), batch.layer, **kw)
     state = fi.graph_state(8, 64, 32, page_size=64, device=DEV)
     captured = fi.plan_for_capture(state, 8, 64)
+    lse = torch.empty(batch.q.shape[0], batch.layer.num_heads, device=DEV)
     torch.cuda.synchronize()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "sync debug mode is a prototype"
@@ -360,6 +388,7 @@ def test_no_device_sync(fi: A.Backend) -> None:
             torch.cuda.set_sync_debug_mode("error")
             plan = fi.plan(batch.metadata)
             fi.forward(batch.q, batch.k, batch.v, cache, plan, batch.layer, **kw)
+            fi.forward(batch.q, None, None, cache, plan, batch.layer, lse=lse, **kw)
             fi.plan_for_replay(captured, batch.metadata)
         finally:
             torch.cuda.set_sync_debug_mode("default")
