@@ -122,6 +122,9 @@ def test_hf_model_matches_fp32_eager(backend: str, arch: str) -> None:
         out = ours.generate(ids[:1], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     prompt, generated = ids[0].tolist(), out[0, ids.shape[1] :].tolist()
     assert len(generated) == NEW_TOKENS
+    # The noise of HF's own bf16 along the sequence that was generated, not the prompt alone:
+    # in a mixture of experts a last-bit difference can flip a token's experts.
+    noise = max(noise, _bf16_noise(fp32, bf16, out[:, :-1]))
     margins = _margins(fp32, prompt, generated)
     assert float(margins.max()) <= 2 * noise + 1e-3, margins.tolist()
 
