@@ -54,6 +54,7 @@ class Feature(str, enum.Enum):
     NON_CAUSAL = "non_causal"
     FP8_KV = "fp8_kv"
     DIFFERENT_V_HEAD_DIM = "different_v_head_dim"
+    CHUNKED_LOCAL = "chunked_local"
 
 
 class GraphSupport(enum.IntEnum):
@@ -196,10 +197,12 @@ def capability_reasons(
             Feature.SOFTCAP: layer.has_softcap,
             Feature.SINKS: layer.has_sinks,
             Feature.NON_CAUSAL: not layer.causal,
+            Feature.CHUNKED_LOCAL: layer.attention_chunk_size is not None,
         }
         for feat, wanted in wants.items():
             if wanted and feat not in f:
-                reasons.append(Reason(cfg, feat.value, "is not supported by this backend"))
+                name = _FEATURE_FIELDS.get(feat, feat.value)
+                reasons.append(Reason(cfg, name, "is not supported by this backend"))
     if layer is not None and layout is not None:
         # The cache must hold what the layer attends over (forward checks the same).
         for name, mine, theirs in (
@@ -212,6 +215,11 @@ def capability_reasons(
                     Reason(cfg, name, f"layer has {mine} but the KV layout has {theirs}")
                 )
     return sorted(reasons)
+
+
+_FEATURE_FIELDS = {Feature.CHUNKED_LOCAL: "attention_chunk_size"}
+"""Features a reason names by the ``LayerSpec`` field that asks for them (the others by their
+own value, as they always were)."""
 
 
 def _cc(cc: tuple[int, int]) -> str:

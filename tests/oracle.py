@@ -44,6 +44,7 @@ class Semantics:
             causal=layer.causal,
             window=layer.sliding_window,
             softcap=layer.softcap,
+            chunk=layer.attention_chunk_size,
         )
 
 

@@ -111,7 +111,7 @@ class FA3Backend(BackendBase):
         orders=frozenset(KVOrder),
         min_compute_capability=(9, 0),
         max_compute_capability=(9, 9),
-        features=frozenset(Feature),
+        features=frozenset(Feature) - {Feature.CHUNKED_LOCAL},
         graph_support=GraphSupport.ANY_BATCH,
     )
     Options = FA3Options

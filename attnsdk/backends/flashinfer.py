@@ -188,7 +188,7 @@ class FlashInferBackend(BackendBase):
         head_dim_multiple=16,
         orders=frozenset(KVOrder),
         min_compute_capability=(8, 0),
-        features=frozenset(Feature),
+        features=frozenset(Feature) - {Feature.CHUNKED_LOCAL},
         graph_support=GraphSupport.ANY_BATCH,
     )
     Options = FlashInferOptions

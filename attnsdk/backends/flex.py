@@ -154,7 +154,7 @@ class FlexBackend(BackendBase):
         min_page_size=16,
         page_size_multiple=16,
         orders=frozenset({KVOrder.NHD}),
-        features=frozenset(Feature) - {Feature.FP8_KV},
+        features=frozenset(Feature) - {Feature.FP8_KV, Feature.CHUNKED_LOCAL},
         graph_support=GraphSupport.UNIFORM_BATCH,
     )
     Options = FlexOptions
