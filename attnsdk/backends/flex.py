@@ -22,8 +22,9 @@ How a step maps onto FlexAttention (shape legend of ``attnsdk._backend``; Bb, Lb
   for Lb < 128). Mixed batches with one long prefill pad every row to that prefill's length: the
   padded query blocks list no page so they cost a launch slot, not FLOPs, but q and the output
   staging buffer grow to Bb*Lb rows.
-- **Semantics**: bottom-right causal, HF sliding window (non-causal: symmetric), GQA through
-  ``enable_gqa``, softcap in ``score_mod``, sinks from the log-sum-exp flex returns:
+- **Semantics**: bottom-right causal, HF sliding window (non-causal: symmetric), chunked local
+  attention (in ``mask_mod``; the block mask leaves out pages outside a query block's chunks),
+  GQA through ``enable_gqa``, softcap in ``score_mod``, sinks from the log-sum-exp flex returns:
   ``out * sigmoid(lse - sink)`` (= out * e^lse / (e^lse + e^sink); a row that sees no key has
   lse = -inf and stays 0, like the reference).
 
@@ -126,6 +127,8 @@ class _Static:
     page_size: int
     causal: bool
     window_left: int
+    chunk: int
+    """Chunked local attention C, 0 = off."""
     softcap: float
     scale: float
     sinks: bool
@@ -154,7 +157,7 @@ class FlexBackend(BackendBase):
         min_page_size=16,
         page_size_multiple=16,
         orders=frozenset({KVOrder.NHD}),
-        features=frozenset(Feature) - {Feature.FP8_KV, Feature.CHUNKED_LOCAL},
+        features=frozenset(Feature) - {Feature.FP8_KV},
         graph_support=GraphSupport.UNIFORM_BATCH,
     )
     Options = FlexOptions
@@ -225,6 +228,7 @@ class FlexBackend(BackendBase):
             page_size=layout.page_size,
             causal=layer.causal,
             window_left=layer.window_left,
+            chunk=layer.attention_chunk_size or 0,
             softcap=float(layer.softcap or 0.0),
             scale=layer.softmax_scale,
             sinks=layer.has_sinks,
@@ -366,7 +370,7 @@ class FlexBackend(BackendBase):
         """This step's block mask for the layer's mask kind, built once per plan (like fa3's
         scheduler metadata: a captured plan caches only while capturing, since the buffers it
         reads change between replays)."""
-        key = (state.page_size, state.causal, state.window_left, num_pages, t)
+        key = (state.page_size, state.causal, state.window_left, state.chunk, num_pages, t)
         masks = None
         if isinstance(plan, FlexPlan) and (
             plan.graph is None or torch.cuda.is_current_stream_capturing()
@@ -450,6 +454,10 @@ def _build_mask(meta: AttentionMetadata, st: _Static, n: int, t: int) -> _StepMa
     elif wl >= 0:
         hi = torch.minimum(hi, last_pos + wl)
     lo = (first_pos - wl).clamp_min(0) if wl >= 0 else torch.zeros_like(first_pos)
+    if st.chunk:
+        # The block's rows see nothing before its first row's chunk or after its last row's.
+        lo = torch.maximum(lo, first_pos // st.chunk * st.chunk)
+        hi = torch.minimum(hi, (last_pos // st.chunk + 1) * st.chunk - 1)
     first_page = lo // p
     count = torch.where((real > 0) & (hi >= lo), hi.clamp_min(0) // p - first_page + 1, 0)
     count = count.clamp(0, wb)
@@ -481,7 +489,7 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
     """flex over one step for one layer kind; returns (Bb, Hq, Lb, Dv)."""
     from torch.nn.attention import flex_attention as fa
 
-    p, wl, causal, cap = st.page_size, st.window_left, st.causal, st.softcap
+    p, wl, causal, cap, chunk = st.page_size, st.window_left, st.causal, st.softcap, st.chunk
     aux = getattr(fa, "AuxRequest", None)
     # Flex's split-KV decoding kernel packs a KV head's query heads only for power-of-two groups.
     kernel_options: dict[str, Any] | None = None
@@ -519,6 +527,8 @@ def _attention_function(st: _Static, compiled: bool, cuda: bool) -> Callable[...
                 ok = ok & (kpos >= qpos - wl)
                 if not causal:
                     ok = ok & (kpos <= qpos + wl)
+            if chunk:
+                ok = ok & (kpos // chunk == qpos // chunk)
             return ok
 
         def softcap(score: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
