@@ -441,6 +441,15 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "sinks-window": ({"has_sinks": True, "sliding_window": 9}, {}, {}),
     "dv": ({"head_dim": 128, "v_head_dim": 64}, {"v_head_dim": 64}, {}),
     "fp8-head-scales": ({}, {"kv_dtype": torch.float8_e4m3fn}, {"per_head_scales": True}),
+    "chunked": ({"attention_chunk_size": 32}, {}, {}),
+    "chunked-p1": ({"attention_chunk_size": 7}, {"page_size": 1}, {}),
+    "chunked-window": ({"attention_chunk_size": 16, "sliding_window": 7}, {}, {}),
+    "chunked-noncausal": ({"attention_chunk_size": 48, "causal": False}, {}, {}),
+    "chunked-sinks-dv": (
+        {"attention_chunk_size": 32, "has_sinks": True, "head_dim": 128, "v_head_dim": 64},
+        {"v_head_dim": 64},
+        {},
+    ),
 }
 
 
@@ -562,6 +571,78 @@ def test_graph_plans_replan_fixed_buffers(fake: CPUFlashInfer, tokens_per_seq: i
         assert_close_to_reference(out[:t], want)
         assert torch.equal(cache.k, ref_cache.k)
         assert (wrapper, kind) == captured.wrappers[next(iter(captured.wrappers))]
+
+
+def test_chunked_variants_plan_their_virtual_batch_once_per_step(
+    fake: CPUFlashInfer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full and chunked layers: one plan() per variant and one virtual batch per chunk size
+    per step, none per layer; each chunked layer reads its own CSR."""
+    made: list[int] = []
+    real = fi_module.virtual_metadata
+
+    def counted(meta: A.AttentionMetadata, chunk: int, page_size: int) -> A.AttentionMetadata:
+        made.append(chunk)
+        return real(meta, chunk, page_size)
+
+    monkeypatch.setattr(fi_module, "virtual_metadata", counted)
+    full, layout, _ = _layer_layout("gqa-p16")
+    c32 = dataclasses.replace(full, attention_chunk_size=32)
+    c64 = dataclasses.replace(full, attention_chunk_size=64)
+    layers = [c32, c64, c32, full] * 4
+    fake.prepare(layers, layout)
+    batch = make_batch(BatchSpec((70, 1, 40), (100, 90, 40)), full, layout, seed=2)
+    ref = ReferenceBackend()
+    for step in range(2):
+        before, made[:] = fake.plan_calls, []
+        plan = fake.plan(batch.metadata)
+        cache = batch.fresh_cache()
+        for i, layer in enumerate(layers):
+            k, v = (batch.k, batch.v) if i == 0 else (None, None)
+            out = fake.forward(batch.q, k, v, cache, plan, layer)
+            want, _ = dataclasses.replace(batch, layer=layer).run(ref)
+            assert_close_to_reference(out, want)
+        assert fake.plan_calls - before == 3, step
+        assert sorted(made) == [32, 64], step
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_graphs_with_chunked_and_full_variants(fake: CPUFlashInfer, head_dim: int) -> None:
+    """One decode capture holds a chunked and a full variant: each keeps its own fixed CSR
+    buffers (they read different pages); head_dim 128 with v_head_dim 64 runs the prefill
+    wrapper on one row per sequence."""
+    full = A.LayerSpec(8, 2, head_dim, v_head_dim=64)
+    chunked = dataclasses.replace(full, attention_chunk_size=32)
+    layout = A.KVCacheLayout(2, head_dim, 16, v_head_dim=64)
+    fake.prepare([full, chunked], layout)
+    state = fake.graph_state(8, 8, 8, page_size=16, device="cpu")
+    captured = fake.plan_for_capture(state, 8, 8)
+    assert len(captured.wrappers) == 2
+    r = random.Random(head_dim)
+    ref = ReferenceBackend()
+    for b in (1, 3, 8):
+        seq = [1 + r.randint(0, 127) for _ in range(b)]
+        seq[0] = 33  # the first position of a chunk
+        batch = make_batch(BatchSpec((1,) * b, tuple(seq)), full, layout, seed=b)
+        fake.plan_for_replay(captured, batch.metadata)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, torch.zeros(8 - x.shape[0], *x.shape[1:], dtype=x.dtype)])
+
+        cache = batch.fresh_cache()
+        for layer in (full, chunked):
+            out = fake.forward(pad(batch.q), pad(batch.k), pad(batch.v), cache, captured, layer)
+            want, _ = dataclasses.replace(batch, layer=layer).run(ref)
+            assert_close_to_reference(out[:b], want)
+    with pytest.raises(A.UnsupportedConfigError, match="attention_chunk_size"):
+        fake.plan_for_capture(state, 2, 6)
+
+
+def test_chunk_sizes_off_the_page_size_are_refused(fake: CPUFlashInfer) -> None:
+    layer = A.LayerSpec(8, 2, 64, attention_chunk_size=40)
+    reasons = fake.unsupported_reasons(layer, A.KVCacheLayout(2, 64, 16), "cpu")
+    assert [r.field for r in reasons] == ["attention_chunk_size"]
+    assert fake.unsupported_reasons(layer, A.KVCacheLayout(2, 64, 8), "cpu") == []
 
 
 def test_graph_state_type_is_checked(fake: CPUFlashInfer) -> None:
