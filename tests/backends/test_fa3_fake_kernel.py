@@ -2,7 +2,7 @@
 
 The fake implements the contract the backend relies on (``flash_attn_with_kvcache`` over a paged
 cache: ``cu_seqlens_q``, ``cache_seqlens``, ``page_table``, bottom-right causal mask,
-``window_size``, softcap, sinks) in plain PyTorch, so what the backend hands the kernel, the
+``window_size``, softcap, sinks, fp8 descales) in plain PyTorch, so what the backend hands the kernel, the
 virtual batch of chunked layers above all, is checked against the reference backend here;
 tests/gpu/ checks the real kernel.
 """
@@ -54,8 +54,13 @@ class FakeKernel:
             assert n <= length, (n, length)
             assert -(-length // p) <= table.shape[1], "a sequence reads past its page-table row"
             pages = table[b, : -(-length // p)].long()
-            k = k_cache[pages].flatten(0, 1)[:length].float().repeat_interleave(hq // hkv, 1)
-            v = v_cache[pages].flatten(0, 1)[:length].float().repeat_interleave(hq // hkv, 1)
+            k = k_cache[pages].flatten(0, 1)[:length].float()
+            v = v_cache[pages].flatten(0, 1)[:length].float()
+            if kw["k_descale"] is not None:  # (B, Hkv): fp8 caches
+                k = k * kw["k_descale"][b].float()[:, None]
+            if kw["v_descale"] is not None:
+                v = v * kw["v_descale"][b].float()[:, None]
+            k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
             s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * kw["softmax_scale"]
             if kw["softcap"]:
                 s = kw["softcap"] * torch.tanh(s / kw["softcap"])
