@@ -1,6 +1,6 @@
 """fa3 and flashinfer through the conformance suite on the CPU, over their fake kernels.
 
-The fakes (tests/backends/test_fa3_fake_kernel.py, test_flashinfer_cpu.py) compute what the
+The fakes (tests/fake_fa3.py, tests/backends/test_flashinfer_cpu.py) compute what the
 real kernels document, so everything the backends themselves do is checked here on every
 push: the suite's chunked cases, above all, reach the virtual batch with every storage order,
 page size and dtype. The real kernels run the same suite in tests/gpu.
@@ -14,11 +14,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from test_fa3_fake_kernel import CPUFA3, FakeKernel
+from fake_fa3 import CPUFA3, fake_fa3
 from test_flashinfer_cpu import CPUFlashInfer, fake_flashinfer
 
-import attnsdk._capabilities as caps_module
-from attnsdk.backends import fa3
 from attnsdk.backends import flashinfer as fi_module
 from attnsdk.testing.conformance import BackendConformance
 
@@ -38,12 +36,8 @@ class TestFakeFA3Conformance(BackendConformance):
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls) -> Iterator[Backend]:
-        fake = FakeKernel()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fa3, "load_kernel", lambda provider: fake)
-            mp.setattr(fa3, "find_provider", lambda pinned="auto": "flash_attn_interface")
-            mp.setattr(fa3, "build_flags", dict)
-            mp.setattr(caps_module, "compute_capability", lambda device=None: None)
+            fake_fa3(mp)
             yield CPUFA3()
 
     def reference_batch(self, batch: Batch) -> Batch:
