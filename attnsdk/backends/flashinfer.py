@@ -440,6 +440,8 @@ class FlashInferBackend(BackendBase):
         batch, made once per plan and chunk size."""
         if v.chunk is None:
             return plan.metadata
+        if plan.graph is not None:
+            check_capture(plan.metadata)  # a layer no capture planned for (not prepared)
         key = (v.chunk, v.page_size)
         found = plan.virtual.get(key)
         if found is None:

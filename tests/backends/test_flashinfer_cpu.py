@@ -638,6 +638,19 @@ def test_decode_graphs_with_chunked_and_full_variants(fake: CPUFlashInfer, head_
         fake.plan_for_capture(state, 2, 6)
 
 
+def test_an_unprepared_chunked_layer_in_a_verify_graph_is_refused(fake: CPUFlashInfer) -> None:
+    """A chunked layer first seen by a multi-token capture (not prepared) is refused with the
+    reason, never planned over a virtual batch larger than the capture's fixed buffers."""
+    full, layout, _ = _layer_layout("gqa-p16")
+    fake.prepare([full], layout)
+    state = fake.graph_state(4, 12, 8, page_size=16, device="cpu")
+    captured = fake.plan_for_capture(state, 4, 12, max_query_len=3)
+    chunked = dataclasses.replace(full, attention_chunk_size=32)
+    q = torch.zeros(12, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(A.UnsupportedConfigError, match="attention_chunk_size"):
+        fake.forward(q, None, None, layout.allocate(9), captured, chunked)
+
+
 def test_chunk_sizes_off_the_page_size_are_refused(fake: CPUFlashInfer) -> None:
     layer = A.LayerSpec(8, 2, 64, attention_chunk_size=40)
     reasons = fake.unsupported_reasons(layer, A.KVCacheLayout(2, 64, 16), "cpu")
