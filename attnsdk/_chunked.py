@@ -159,8 +159,12 @@ def _any(meta: AttentionMetadata, c: int, p: int) -> AttentionMetadata:
     queries = end - torch.maximum(first_query[owner], start)
     qsl_v = torch.zeros(n + 1, dtype=torch.long)
     torch.cumsum(queries, 0, out=qsl_v[1:])
-    # One host-to-device copy (asynchronous) for all the device needs.
-    dev = torch.cat([qsl_v, keys, owner, start // p]).to(meta.device, non_blocking=True)
+    # One host-to-device copy for all the device needs, from pinned memory: from pageable
+    # memory the driver may wait for the stream first.
+    host = torch.cat([qsl_v, keys, owner, start // p])
+    if meta.device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(meta.device, non_blocking=True)
     qsl_d, keys_d, owner_d, col_d = dev.split([n + 1, n, n, n])
     width = meta.page_table.shape[1]
     longest = int(keys.max()) if n else 0

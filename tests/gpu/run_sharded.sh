@@ -34,6 +34,7 @@ shard flashinfer_rest tests/gpu/test_flashinfer.py -k "not matches_reference" &
 shard flashinfer_conformance tests/gpu/test_conformance_flashinfer.py &
 shard flex tests/gpu/test_flex_gpu.py tests/gpu/test_conformance_flex_cuda.py &
 shard models tests/gpu/test_models_gpu.py &
+shard chunked tests/gpu/test_chunked_gpu.py &
 shard fa3 tests/gpu/test_fa3.py tests/gpu/test_fuzz.py tests/gpu/test_graphs.py \
     tests/gpu/test_sglang_fa3.py tests/gpu/test_vllm_fa3.py tests/gpu/test_conformance_fa3.py &
 wait
