@@ -68,6 +68,8 @@ class Feature(str, enum.Enum):
     DIFFERENT_V_HEAD_DIM = "different_v_head_dim"
     LSE = "lse"
     """``forward(..., lse=)`` fills the per-head log-sum-exp of each query row."""
+    CHUNKED_LOCAL = "chunked_local"
+    """``LayerSpec.attention_chunk_size``: queries see only keys of their own chunk."""
 
 
 class GraphSupport(enum.IntEnum):
@@ -210,10 +212,12 @@ def capability_reasons(
             Feature.SOFTCAP: layer.has_softcap,
             Feature.SINKS: layer.has_sinks,
             Feature.NON_CAUSAL: not layer.causal,
+            Feature.CHUNKED_LOCAL: layer.attention_chunk_size is not None,
         }
         for feat, wanted in wants.items():
             if wanted and feat not in f:
-                reasons.append(Reason(cfg, feat.value, "is not supported by this backend"))
+                name = _FEATURE_FIELDS.get(feat, feat.value)
+                reasons.append(Reason(cfg, name, "is not supported by this backend"))
     if layer is not None and layout is not None:
         # The cache must hold what the layer attends over (forward checks the same).
         for name, mine, theirs in (
@@ -233,6 +237,11 @@ def lse_capability_reasons(caps: Capabilities) -> list[Reason]:
     if Feature.LSE in caps.features:
         return []
     return [Reason(ReasonKind.CONFIGURATION, "lse", "is not supported by this backend")]
+
+
+_FEATURE_FIELDS = {Feature.CHUNKED_LOCAL: "attention_chunk_size"}
+"""Features a reason names by the ``LayerSpec`` field that asks for them (the others by their
+own value, as they always were)."""
 
 
 def _cc(cc: tuple[int, int]) -> str:

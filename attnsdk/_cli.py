@@ -79,6 +79,13 @@ def build_parser(prog: str = "attnsdk") -> argparse.ArgumentParser:
     shape.add_argument(
         "--window", dest="sliding_window", type=int, metavar="W", help="sliding window W tokens"
     )
+    shape.add_argument(
+        "--chunk",
+        dest="attention_chunk_size",
+        type=int,
+        metavar="C",
+        help="chunked local attention, chunks of C tokens",
+    )
     shape.add_argument("--softcap", type=float, metavar="C", help="logit softcap C")
     shape.add_argument(
         "--sinks", dest="has_sinks", action="store_const", const=True, help="attention sinks"

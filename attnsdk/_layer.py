@@ -38,6 +38,10 @@ class LayerSpec:
     (0 is stored as None)."""
     has_sinks: bool = False
     """The layer passes per-head fp32 ``sinks`` (an extra softmax logit without a value)."""
+    attention_chunk_size: int | None = None
+    """Chunked local attention C (Llama 4's iRoPE layers): positions split into chunks
+    [kC, (k+1)C) and the query at p sees key j only if ``j // C == p // C``, on top of the rules
+    above (causal, window). None = off. docs/kv_layout.md defines it."""
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
@@ -67,6 +71,16 @@ class LayerSpec:
             cap = check_positive_float("LayerSpec.softcap", self.softcap, allow_zero=True)
             object.__setattr__(self, "softcap", cap or None)
         check_bool("LayerSpec.has_sinks", self.has_sinks)
+        if self.attention_chunk_size is not None:
+            try:
+                check_int("LayerSpec.attention_chunk_size", self.attention_chunk_size)
+            except InvalidInputError:
+                raise InvalidInputError(
+                    "LayerSpec.attention_chunk_size",
+                    "None or an int >= 1 (the chunk size C in tokens)",
+                    repr(self.attention_chunk_size),
+                    "Pass None for a layer without chunks",
+                ) from None
 
     @property
     def v_dim(self) -> int:

@@ -32,6 +32,9 @@ class Semantics:
     """Hugging Face sliding window W (the query at p sees p - W + 1 .. p), or None."""
     softcap: float | None
     """None or 0 disables it."""
+    chunk: int | None = None
+    """Chunked local attention C: positions split into chunks [kC, (k+1)C); a query sees only
+    keys of its own chunk (on top of the rules above). None = off."""
 
     @classmethod
     def of(cls, layer: LayerSpec) -> Semantics:
@@ -42,6 +45,7 @@ class Semantics:
             causal=layer.causal,
             window=layer.sliding_window,
             softcap=layer.softcap,
+            chunk=layer.attention_chunk_size,
         )
 
 
@@ -115,6 +119,8 @@ def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, sem: Semantics) -> t
         ok &= p - j <= sem.window - 1
         if not sem.causal:
             ok &= j - p <= sem.window - 1
+    if sem.chunk is not None:
+        ok &= j // sem.chunk == p // sem.chunk
     return ok
 
 

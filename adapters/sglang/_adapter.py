@@ -142,9 +142,18 @@ class SGLangAdapter:
             )
         return loc.to(torch.int64)
 
-    def layer_spec(self, layer: RadixAttention, *, has_sinks: bool = False) -> LayerSpec:
-        """A ``LayerSpec`` from a RadixAttention-like layer (SGLang's window is W - 1)."""
-        return radix_layer_spec(layer, has_sinks=has_sinks)
+    def layer_spec(
+        self,
+        layer: RadixAttention,
+        *,
+        has_sinks: bool = False,
+        attention_chunk_size: int | None = None,
+    ) -> LayerSpec:
+        """A ``LayerSpec`` from a RadixAttention-like layer (SGLang's window is W - 1; the
+        model's ``attention_chunk_size`` applies to layers with ``use_irope``)."""
+        return radix_layer_spec(
+            layer, has_sinks=has_sinks, attention_chunk_size=attention_chunk_size
+        )
 
     # -- composition ------------------------------------------------------------------------
 

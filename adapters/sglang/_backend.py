@@ -8,6 +8,7 @@ so every member a runner reads that attnsdk does not define keeps SGLang's defau
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,8 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         # SGLang 0.5.13+'s EAGLE verify sizes its tree mask from this when a batch carries no
         # seq_lens_sum (eagle_worker_common.build_eagle_verify_input), as with FA3.
         self.max_context_len = int(model_runner.model_config.context_len)
+        self.attention_chunk_size = _chunk_size(model_runner)
+        """The model's chunked local attention (Llama 4), for its layers with ``use_irope``."""
         # SGLang 0.5.13+ reads both pools off the attention backend (forward_context.py).
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -225,10 +228,13 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             layer.sliding_window_size,
             layer.logit_cap,
             layer.attn_type,
+            getattr(layer, "use_irope", False),
         )
 
         def build() -> LayerEntry:
-            spec = self.adapter.layer_spec(layer, has_sinks=sinks)
+            spec = self.adapter.layer_spec(
+                layer, has_sinks=sinks, attention_chunk_size=self.attention_chunk_size
+            )
             cache = self.adapter.kv_cache(k_buf, v_buf, dtype=dtype)
             reasons = self.backend.unsupported_reasons(spec, cache.layout, self.device)
             if reasons:
@@ -293,10 +299,26 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             kv_dtype=runner.kv_cache_dtype,
         )
         reasons = self.backend.unsupported_reasons(spec, layout, self.device)
+        if self.attention_chunk_size is not None:
+            chunked = dataclasses.replace(spec, attention_chunk_size=self.attention_chunk_size)
+            reasons += self.backend.unsupported_reasons(chunked, layout, self.device)
         if reasons:
             raise UnsupportedConfigError(
-                f"backend {self.backend.name!r} cannot serve this model:", reasons
+                f"backend {self.backend.name!r} cannot serve this model:", sorted(set(reasons))
             )
+
+
+def _chunk_size(model_runner: ModelRunner) -> int | None:
+    """``model_runner.attention_chunk_size`` (from the model's config; absent or None: no
+    chunked layers), checked."""
+    value = getattr(model_runner, "attention_chunk_size", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(
+            "model_runner.attention_chunk_size", "None or an int >= 1", repr(value)
+        )
+    return value
 
 
 def _heads(name: str, t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""SGLang's ``RadixAttention`` layer → ``LayerSpec`` (SGLang's window is W - 1)."""
+"""SGLang's ``RadixAttention`` layer → ``LayerSpec`` (SGLang's window is W - 1; its chunk size
+is the model's, on the layers flagged ``use_irope``)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,15 @@ _ATTN_KINDS = {
 """SGLang's ``AttentionType`` values."""
 
 
-def radix_layer_spec(layer: RadixAttention, *, has_sinks: bool = False) -> LayerSpec:
-    """``LayerSpec`` of a RadixAttention-like layer; raises for semantics attnsdk lacks."""
+def radix_layer_spec(
+    layer: RadixAttention, *, has_sinks: bool = False, attention_chunk_size: int | None = None
+) -> LayerSpec:
+    """``LayerSpec`` of a RadixAttention-like layer; raises for semantics attnsdk lacks.
+
+    ``attention_chunk_size`` is the model's (SGLang's ``model_runner.attention_chunk_size``):
+    SGLang's FA3 backend applies it to the layers with ``use_irope`` set (Llama 4's RoPE
+    layers) and to no other, and so does this mapping.
+    """
     layer_id = getattr(layer, "layer_id", "?")
     if getattr(layer, "is_cross_attention", False):
         raise UnsupportedConfigError(
@@ -60,6 +68,7 @@ def radix_layer_spec(layer: RadixAttention, *, has_sinks: bool = False) -> Layer
         sliding_window=None if window is None or window < 0 else int(window) + 1,
         softcap=cap if cap > 0 else None,
         has_sinks=has_sinks,
+        attention_chunk_size=attention_chunk_size if getattr(layer, "use_irope", False) else None,
     )
 
 

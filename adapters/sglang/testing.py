@@ -148,10 +148,13 @@ class MockRadixAttention:
     v_scale: torch.Tensor | None = None
     k_scale_float: float | None = None
     v_scale_float: float | None = None
+    use_irope: bool = False
+    """Llama 4's chunked layers: the model runner's ``attention_chunk_size`` applies."""
 
     @classmethod
     def from_layer_spec(cls, spec: LayerSpec, layer_id: int = 0) -> MockRadixAttention:
-        """The RadixAttention SGLang would build for ``spec`` (window W becomes W - 1)."""
+        """The RadixAttention SGLang would build for ``spec`` (window W becomes W - 1; a chunked
+        ``spec`` sets ``use_irope``, its chunk size belongs to the model runner)."""
         return cls(
             tp_q_head_num=spec.num_heads,
             tp_k_head_num=spec.num_kv_heads,
@@ -163,6 +166,7 @@ class MockRadixAttention:
             layer_id=layer_id,
             logit_cap=float(spec.softcap or 0.0),
             sliding_window_size=-1 if spec.sliding_window is None else spec.sliding_window - 1,
+            use_irope=spec.attention_chunk_size is not None,
             attn_type=AttentionType.DECODER if spec.causal else AttentionType.ENCODER_ONLY,
         )
 
@@ -253,6 +257,8 @@ class MockModelRunner:
     kv_cache_dtype: torch.dtype
     kv_index_translator: Any = None
     is_draft_worker: bool = False
+    attention_chunk_size: int | None = None
+    """The model config's chunk size (Llama 4), applied to layers with ``use_irope``."""
 
 
 @dataclass(slots=True)
@@ -394,6 +400,7 @@ def make_sglang_batch(
         device=dev,
         dtype=dtype,
         kv_cache_dtype=dtype,
+        attention_chunk_size=layer.attention_chunk_size,
     )
     extend = mode.is_extend_or_draft_extend_or_mixed(include_draft_extend_v2=True)
     prefix = list(spec.context_lens)

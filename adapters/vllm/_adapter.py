@@ -19,6 +19,7 @@ backend reads or writes anything for them.
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -256,11 +257,12 @@ def _int_field(obj: Any, name: str) -> int:
     value = getattr(obj, name, None)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    # vLLM's chunked-local virtual batch sets max_query_len to a numpy int.
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
         raise InvalidMetadataError(
             name, "a host int >= 0 (CommonAttentionMetadata field)", repr(value)
         )
-    return value
+    return int(value)
 
 
 def _host_tensor(name: str, value: Any) -> torch.Tensor:

@@ -13,6 +13,13 @@ fp8 KV (e4m3): FA3 multiplies q·k in fp8, so q is cast to the cache dtype too, 
 but clamped to ±448 first (torch's cast turns larger values into NaN). ``k_scale`` / ``v_scale``
 become the kernel's (B, Hkv) descales through zero-stride views. FA3 returns bf16 for fp8
 inputs, hence fp8 KV needs a bf16 layer.
+
+Chunked local attention (``LayerSpec.attention_chunk_size``): FA3 has no chunk mask, so a chunked
+layer runs the same kernel over the step's virtual batch (``attnsdk._chunked``: one sequence
+per chunk a sequence's queries touch), made once per step and chunk size in ``make_plan`` for
+the prepared layers. The chunk size must be a multiple of the page size. CUDA graphs capture
+chunked layers in decode graphs only, where the virtual batch has one row per sequence and is
+rebuilt on the device inside the graph.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from attnsdk._capabilities import (
     ReasonKind,
     device_reasons,
 )
+from attnsdk._chunked import check_capture, chunk_reasons, prepared_chunks, virtual_metadata
 from attnsdk._errors import UnsupportedConfigError
 from attnsdk._kv import KVOrder
 from attnsdk.backends._fa3_kernels import (
@@ -45,6 +53,7 @@ from attnsdk.backends._fa3_kernels import (
 from attnsdk.backends._gpu import DeviceKVStore
 
 if TYPE_CHECKING:
+    from attnsdk._graph import GraphBuffers
     from attnsdk._kv import KVCache, KVCacheLayout
     from attnsdk._layer import LayerSpec
     from attnsdk._metadata import AttentionMetadata
@@ -82,6 +91,8 @@ class FA3Plan(Plan):
     """``Plan`` plus the per-step FA3 scheduler metadata, filled lazily per layer shape."""
 
     scheduler: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+    virtual: dict[tuple[int, int], AttentionMetadata] = field(default_factory=dict)
+    """(chunk size, page size) -> the step's virtual batch for chunked layers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,8 @@ class _Static:
     causal: bool
     window: tuple[int, int]
     softcap: float
+    chunk: int | None
+    """``LayerSpec.attention_chunk_size``: attend over the step's virtual batch."""
     quantized: bool
     q_dtype: torch.dtype
     """What the kernel multiplies in: the cache's fp8 dtype or the compute dtype."""
@@ -170,8 +183,9 @@ class FA3Backend(BackendBase):
 
     @classmethod
     def extra_reasons(cls, layer: LayerSpec | None, layout: KVCacheLayout | None) -> list[Reason]:
-        """What FA3 (or this build of it, read from ``flash_attn_config``) refuses."""
-        return _fa3_reasons(layer, layout, build_flags())
+        """What FA3 (or this build of it, read from ``flash_attn_config``) refuses, and chunk
+        sizes that are not a multiple of the page size."""
+        return _fa3_reasons(layer, layout, build_flags()) + chunk_reasons(layer, layout)
 
     def layer_state(self, layer: LayerSpec, layout: KVCacheLayout) -> _Static:
         wl = layer.window_left
@@ -182,6 +196,7 @@ class FA3Backend(BackendBase):
             causal=layer.causal,
             window=window,
             softcap=float(layer.softcap or 0.0),
+            chunk=layer.attention_chunk_size,
             quantized=layout.is_quantized,
             q_dtype=layout.storage_dtype,
             page_size=layout.page_size,
@@ -195,15 +210,34 @@ class FA3Backend(BackendBase):
                 layer.has_softcap,
                 layout.storage_dtype,
                 layout.page_size,
+                layer.attention_chunk_size,
             ),
         )
 
     # -- per step ---------------------------------------------------------------------------
 
     def make_plan(self, meta: AttentionMetadata) -> FA3Plan:
-        # FA3 reads the metadata tensors as they are; nothing to compute or copy per step.
+        # FA3 reads the metadata tensors as they are; only chunked layers need another batch.
         self._store.poll(meta.device)
-        return FA3Plan(meta)
+        plan = FA3Plan(meta)
+        for chunk, page_size in prepared_chunks(self.prepared, meta):
+            plan.virtual[(chunk, page_size)] = virtual_metadata(meta, chunk, page_size)
+        return plan
+
+    def plan_for_capture(
+        self,
+        state: GraphBuffers,
+        batch_size: int,
+        num_tokens: int,
+        *,
+        max_query_len: int | None = None,
+    ) -> Plan:
+        """``GraphHooks.plan_for_capture``; refused for captures of several query tokens per
+        sequence when a prepared layer is chunked (``attnsdk._chunked.check_capture``)."""
+        plan = super().plan_for_capture(state, batch_size, num_tokens, max_query_len=max_query_len)
+        if any(layer.attention_chunk_size is not None for layer, _ in self.prepared):
+            check_capture(plan.metadata)
+        return plan
 
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
         super().plan_for_replay(plan, meta)
@@ -243,7 +277,7 @@ class FA3Backend(BackendBase):
         lse: torch.Tensor | None,
     ) -> torch.Tensor:
         st = state
-        meta = plan.metadata
+        meta = plan.metadata if st.chunk is None else self._virtual(plan, st.chunk, st.page_size)
         dest = out
         if out.stride(-1) != 1:  # FA3 writes each head vector contiguously
             out = torch.empty(
@@ -289,6 +323,32 @@ class FA3Backend(BackendBase):
             lse=lse,
         )
         return out if dest is out else dest.copy_(out)
+
+    def _virtual(self, plan: Plan, chunk: int, page_size: int) -> AttentionMetadata:
+        """The step's virtual batch for chunks of ``chunk`` tokens, made once per plan: by
+        ``make_plan`` for prepared layers, at the first layer for others. A captured plan (a
+        decode graph) caches it only while capturing, like the scheduler metadata: it is then
+        rebuilt inside the graph from the buffers each replay refreshes."""
+        meta = plan.metadata
+        if plan.graph is not None:
+            check_capture(meta)
+        # A CPU-only torch raises when asked about capture.
+        capturing = (
+            plan.graph is not None
+            and meta.device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing()
+        )
+        cache = (
+            plan.virtual
+            if isinstance(plan, FA3Plan) and (plan.graph is None or capturing)
+            else None
+        )
+        found = cache.get((chunk, page_size)) if cache is not None else None
+        if found is None:
+            found = virtual_metadata(meta, chunk, page_size)
+            if cache is not None:
+                cache[(chunk, page_size)] = found
+        return found
 
     def _scheduler(
         self, plan: Plan, meta: AttentionMetadata, layer: LayerSpec, st: _Static

@@ -19,6 +19,12 @@ FlashInfer's base-2 log-sum-exp, scaled by ln 2 in place afterwards; the sink wr
 sink logit into each row's running max and sum (``AttentionSink``'s ``REGISTER_M_D_UPDATE``), so
 it is in the value already.
 
+Chunked local attention (``LayerSpec.attention_chunk_size``): FlashInfer has no chunk mask, so a
+chunked variant's wrapper is planned over the step's virtual batch (``attnsdk._chunked``: one
+sequence per chunk a sequence's queries touch, made once per step and chunk size) with its
+own CSR. The chunk size must be a multiple of the page size. CUDA graphs capture chunked
+variants in decode graphs only, where the virtual batch keeps one row per sequence.
+
 fp8 KV (e4m3 / e5m2, bf16 or fp16 q): FlashInfer would take ``k_scale`` / ``v_scale`` as host
 floats (a device read per layer). Instead q is multiplied by ``k_scale`` before the kernel and
 the output by ``v_scale`` after it, on the device, which also serves per-KV-head scales.
@@ -46,6 +52,7 @@ from attnsdk._capabilities import (
     ReasonKind,
     device_reasons,
 )
+from attnsdk._chunked import check_capture, chunk_reasons, virtual_metadata
 from attnsdk._errors import BackendUnavailableError, InvalidInputError
 from attnsdk._graph import GraphBuffers
 from attnsdk._kv import KVOrder
@@ -110,6 +117,8 @@ class _Variant:
     scale: float
     causal: bool
     window_left: int
+    chunk: int | None
+    """``LayerSpec.attention_chunk_size``: planned over the step's virtual batch."""
     softcap: float
     sinks: bool
     dtype: torch.dtype
@@ -143,9 +152,11 @@ class FlashInferPlan(Plan):
     one FlashInfer ``plan()`` (~390 µs of host time) in that step.
     """
 
-    csr: dict[tuple[bool, int], _StepCSR] = field(default_factory=dict)
-    """(per_token, page_size) -> the step's CSR on the device."""
+    csr: dict[tuple[bool, int, int | None], _StepCSR] = field(default_factory=dict)
+    """(per_token, page_size, chunk size) -> the step's CSR on the device."""
     wrappers: dict[_Variant, tuple[Any, Kind]] = field(default_factory=dict)
+    virtual: dict[tuple[int, int], AttentionMetadata] = field(default_factory=dict)
+    """(chunk size, page size) -> the step's virtual batch for chunked variants."""
 
 
 class FlashInferGraphState(GraphBuffers):
@@ -159,11 +170,14 @@ class FlashInferGraphState(GraphBuffers):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.wrappers: dict[tuple[int, int, Kind, _Variant], Any] = {}
-        self.csr_buffers: dict[tuple[int, int, bool], dict[str, torch.Tensor]] = {}
+        self.csr_buffers: dict[tuple[int, int, bool, int | None], dict[str, torch.Tensor]] = {}
 
-    def buffers(self, batch_size: int, tokens: int, per_token: bool) -> dict[str, torch.Tensor]:
-        """Fixed CSR buffers of one capture (allocated at its first plan)."""
-        key = (batch_size, tokens, per_token)
+    def buffers(
+        self, batch_size: int, tokens: int, per_token: bool, chunk: int | None
+    ) -> dict[str, torch.Tensor]:
+        """Fixed CSR buffers of one capture (allocated at its first plan); chunked variants
+        read other pages than the rest, so each chunk size has its own."""
+        key = (batch_size, tokens, per_token, chunk)
         found = self.csr_buffers.get(key)
         if found is None:
             rows = tokens if per_token else batch_size
@@ -239,8 +253,9 @@ class FlashInferBackend(BackendBase):
 
     @classmethod
     def extra_reasons(cls, layer: LayerSpec | None, layout: KVCacheLayout | None) -> list[Reason]:
-        """What FlashInfer's kernels cannot express."""
-        reasons: list[Reason] = []
+        """What FlashInfer's kernels cannot express, and chunk sizes that are not a multiple of
+        the page size."""
+        reasons = chunk_reasons(layer, layout)
         dims = {}
         if layer is not None:
             dims = {"head_dim": layer.head_dim, "v_head_dim": layer.v_dim}
@@ -315,6 +330,7 @@ class FlashInferBackend(BackendBase):
             scale=layer.softmax_scale,
             causal=layer.causal,
             window_left=layer.window_left,
+            chunk=layer.attention_chunk_size,
             softcap=float(layer.softcap or 0.0),
             sinks=layer.has_sinks,
             dtype=layout.dtype,
@@ -396,7 +412,10 @@ class FlashInferBackend(BackendBase):
             )
         meta = state.capture_metadata(batch_size, num_tokens, max_query_len=max_query_len)
         plan = FlashInferPlan(meta, graph=state)
-        for variant in self._variants(meta):
+        variants = self._variants(meta)
+        if any(v.chunk is not None for v in variants):
+            check_capture(meta)
+        for variant in variants:
             self._plan_variant(plan, variant)
         return plan
 
@@ -407,6 +426,7 @@ class FlashInferBackend(BackendBase):
         captured = cast("FlashInferPlan", plan)
         self._store.poll(meta.device)
         captured.csr.clear()
+        captured.virtual.clear()
         for variant in list(captured.wrappers):
             self._plan_variant(captured, variant)
 
@@ -423,29 +443,43 @@ class FlashInferBackend(BackendBase):
         q = meta.query_start_loc_cpu
         return "decode" if q.shape[0] < 2 or int((q[1:] - q[:-1]).max()) <= 1 else "prefill"
 
-    def _csr(self, plan: FlashInferPlan, per_token: bool, page_size: int) -> _StepCSR:
-        found = plan.csr.get((per_token, page_size))
+    def _step_meta(self, plan: FlashInferPlan, v: _Variant) -> AttentionMetadata:
+        """The batch ``v`` is planned over: the step's, or for a chunked variant its virtual
+        batch, made once per plan and chunk size."""
+        if v.chunk is None:
+            return plan.metadata
+        if plan.graph is not None:
+            check_capture(plan.metadata)  # a layer no capture planned for (not prepared)
+        key = (v.chunk, v.page_size)
+        found = plan.virtual.get(key)
+        if found is None:
+            found = plan.virtual[key] = virtual_metadata(plan.metadata, v.chunk, v.page_size)
+        return found
+
+    def _csr(self, plan: FlashInferPlan, per_token: bool, v: _Variant) -> _StepCSR:
+        key = (per_token, v.page_size, v.chunk)
+        found = plan.csr.get(key)
         if found is not None:
             return found
-        meta = plan.metadata
+        meta = self._step_meta(plan, v)
         state = plan.graph
         rows = meta.num_tokens if per_token and state is not None else None
         host = build_csr(
             meta.query_start_loc_cpu,
             meta.seq_lens_cpu,
-            page_size,
+            v.page_size,
             meta.page_table.shape[1],
             per_token=per_token,
             rows=rows,
         )
         if isinstance(state, FlashInferGraphState):
-            bufs = state.buffers(meta.num_seqs, meta.num_tokens, per_token)
+            bufs = state.buffers(meta.num_seqs, meta.num_tokens, per_token, v.chunk)
             indices = gather_indices(
                 meta.page_table, host, out=bufs["indices"], staging=bufs["rows"]
             )
         else:
             indices = gather_indices(meta.page_table, host)
-        found = plan.csr[(per_token, page_size)] = _StepCSR(host, indices)
+        found = plan.csr[key] = _StepCSR(host, indices)
         return found
 
     def _plan_variant(self, plan: FlashInferPlan, variant: _Variant) -> tuple[Any, Kind]:
@@ -455,7 +489,7 @@ class FlashInferBackend(BackendBase):
         if meta.num_seqs == 0 or meta.num_tokens == 0:
             plan.wrappers.pop(variant, None)
             return None, kind
-        csr = self._csr(plan, kind == "decode", variant.page_size)
+        csr = self._csr(plan, kind == "decode", variant)
         wrapper = self._wrapper(plan, kind, variant)
         host, v = csr.host, variant
         common: dict[str, Any] = {
@@ -513,7 +547,7 @@ class FlashInferBackend(BackendBase):
             key = (meta.num_seqs, meta.num_tokens, kind, v)
             found = state.wrappers.get(key)
             if found is None:
-                bufs = state.buffers(meta.num_seqs, meta.num_tokens, kind == "decode")
+                bufs = state.buffers(meta.num_seqs, meta.num_tokens, kind == "decode", v.chunk)
                 found = state.wrappers[key] = self._new_wrapper(kind, v, meta, bufs)
             return found
         found = self._wrappers.get((kind, v))
@@ -624,7 +658,7 @@ class FlashInferBackend(BackendBase):
                 )
             planned = self._plan_variant(plan, variant)
         wrapper, kind = planned
-        csr = plan.csr[(kind == "decode", variant.page_size)].host
+        csr = plan.csr[(kind == "decode", variant.page_size, variant.chunk)].host
         rows = csr.num_q_rows if kind == "prefill" else csr.num_rows
         q = q[:rows]
         if q.stride(-1) != 1 or not q.is_contiguous():

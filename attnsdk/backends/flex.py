@@ -22,8 +22,9 @@ How a step maps onto FlexAttention (shape legend of ``attnsdk._backend``; Bb, Lb
   for Lb < 128). Mixed batches with one long prefill pad every row to that prefill's length: the
   padded query blocks list no page so they cost a launch slot, not FLOPs, but q and the output
   staging buffer grow to Bb*Lb rows.
-- **Semantics**: bottom-right causal, HF sliding window (non-causal: symmetric), GQA through
-  ``enable_gqa``, softcap in ``score_mod``, sinks from the log-sum-exp flex returns:
+- **Semantics**: bottom-right causal, HF sliding window (non-causal: symmetric), chunked local
+  attention (in ``mask_mod``; the block mask leaves out pages outside a query block's chunks),
+  GQA through ``enable_gqa``, softcap in ``score_mod``, sinks from the log-sum-exp flex returns:
   ``out * sigmoid(lse - sink)`` (= out * e^lse / (e^lse + e^sink); a row that sees no key has
   lse = -inf and stays 0, like the reference). ``lse=`` is that log-sum-exp (natural log: the
   public flex API converts its kernels' base-2 statistics), plus the sink term
@@ -132,6 +133,8 @@ class _Static:
     page_size: int
     causal: bool
     window_left: int
+    chunk: int
+    """Chunked local attention C, 0 = off."""
     softcap: float
     scale: float
     sinks: bool
@@ -248,6 +251,7 @@ class FlexBackend(BackendBase):
             page_size=layout.page_size,
             causal=layer.causal,
             window_left=layer.window_left,
+            chunk=layer.attention_chunk_size or 0,
             softcap=float(layer.softcap or 0.0),
             scale=layer.softmax_scale,
             sinks=layer.has_sinks,
@@ -408,7 +412,7 @@ class FlexBackend(BackendBase):
         """This step's block mask for the layer's mask kind, built once per plan (like fa3's
         scheduler metadata: a captured plan caches only while capturing, since the buffers it
         reads change between replays)."""
-        key = (state.page_size, state.causal, state.window_left, num_pages, t)
+        key = (state.page_size, state.causal, state.window_left, state.chunk, num_pages, t)
         masks = None
         if isinstance(plan, FlexPlan) and (
             plan.graph is None or torch.cuda.is_current_stream_capturing()
@@ -509,6 +513,10 @@ def _build_mask(
     elif wl >= 0:
         hi = torch.minimum(hi, last_pos + wl)
     lo = (first_pos - wl).clamp_min(0) if wl >= 0 else torch.zeros_like(first_pos)
+    if st.chunk:
+        # The block's rows see nothing before its first row's chunk or after its last row's.
+        lo = torch.maximum(lo, first_pos // st.chunk * st.chunk)
+        hi = torch.minimum(hi, (last_pos // st.chunk + 1) * st.chunk - 1)
     first_page = lo // p
     count = torch.where((real > 0) & (hi >= lo), hi.clamp_min(0) // p - first_page + 1, 0)
     count = count.clamp(0, wb)
@@ -543,7 +551,7 @@ def _attention_function(
     ``with_lse``, the fp32 log-sum-exp (Bb, Hq, Lb) with the sink term (else None)."""
     from torch.nn.attention import flex_attention as fa
 
-    p, wl, causal, cap = st.page_size, st.window_left, st.causal, st.softcap
+    p, wl, causal, cap, chunk = st.page_size, st.window_left, st.causal, st.softcap, st.chunk
     aux = getattr(fa, "AuxRequest", None)
     kernel_options: dict[str, Any] | None = None
     # The main kernel instead of flex's split-KV decoding kernel (CUDA).
@@ -584,6 +592,8 @@ def _attention_function(
                 ok = ok & (kpos >= qpos - wl)
                 if not causal:
                     ok = ok & (kpos <= qpos + wl)
+            if chunk:
+                ok = ok & (kpos // chunk == qpos // chunk)
             return ok
 
         def softcap(score: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:

@@ -1,9 +1,9 @@
 """``reference``: pure-PyTorch paged attention, the oracle of every test.
 
 fp32 accumulation, one vectorised pass per sequence over its pages, every semantic of DESIGN §2
-(GQA/MQA, bottom-right causal or non-causal, sliding window, softcap, sinks, fp8 KV) and the
-log-sum-exp (``lse=``: the log of the fp32 softmax denominator). Runs on CPU and CUDA; it is the
-default on a machine without a GPU.
+(GQA/MQA, bottom-right causal or non-causal, sliding window, chunked local attention, softcap,
+sinks, fp8 KV) and the log-sum-exp (``lse=``: the log of the fp32 softmax denominator). Runs on
+CPU and CUDA; it is the default on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -127,6 +127,9 @@ class ReferenceBackend(BackendBase):
                 allowed &= rel >= -layer.window_left
                 if not layer.causal:
                     allowed &= rel <= layer.window_left
+            if layer.attention_chunk_size is not None:
+                size = layer.attention_chunk_size
+                allowed &= key_pos[None, :] // size == q_pos[:, None] // size
             if not bool(allowed.all()):
                 scores = scores.masked_fill_(~allowed, float("-inf"))
             row_max = scores.amax(dim=-1, keepdim=True)

@@ -135,6 +135,33 @@ class BatchSpec:
         )
 
     @classmethod
+    def chunk_edges(cls, chunk_size: int = 32, seed: int = 0) -> BatchSpec:
+        """Rows on the edges of chunked local attention's chunks of ``chunk_size`` tokens:
+        decode rows on the first and on the last position of a chunk, an extend across a
+        boundary, an extend starting on one, a prefill over several chunks and a row without
+        queries, in random order.
+
+        >>> spec = BatchSpec.chunk_edges(16, seed=1)
+        >>> sorted(s % 16 for q, s in zip(spec.query_lens, spec.seq_lens) if q == 1)
+        [0, 1]
+        """
+        r = random.Random(seed)
+        c = chunk_size
+        cross = r.randint(2, max(2, c))
+        after = r.randint(2, 2 * c)
+        prefill = r.randint(2 * c + 1, 4 * c)
+        rows = [  # (query_len, seq_len)
+            (1, r.randint(1, 3) * c + 1),  # the first position of a chunk: sees only itself
+            (1, r.randint(1, 3) * c),  # the last position: sees its whole chunk
+            (cross, r.randint(1, 2) * c + r.randint(1, cross - 1)),
+            (after, r.randint(1, 2) * c + after),  # its context ends on a boundary
+            (prefill, prefill),
+            (0, r.randint(1, 3 * c)),
+        ]
+        r.shuffle(rows)
+        return cls(tuple(q for q, _ in rows), tuple(s for _, s in rows), "chunk_edges")
+
+    @classmethod
     def presets(cls, seed: int = 0) -> dict[str, BatchSpec]:
         """Every named preset at its default size."""
         return {

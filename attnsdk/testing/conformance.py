@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from attnsdk._backend import Backend
     from attnsdk._config import AttentionConfig
 
-__all__ = ["FEATURES", "PRESETS", "BackendConformance", "FeatureCase"]
+__all__ = ["CHUNK_PRESETS", "FEATURES", "PRESETS", "BackendConformance", "FeatureCase"]
 
 _E4M3 = torch.float8_e4m3fn
 PACKED = "packed"
@@ -98,8 +98,15 @@ FEATURES: dict[str, FeatureCase] = {
     "fp8-e4m3": FeatureCase(_GQA, kv_dtype=_E4M3),
     "fp8-e4m3-per-head": FeatureCase(_GQA, kv_dtype=_E4M3, per_head_scales=True),
     "everything": FeatureCase({**_GQA, "sliding_window": 17, "softcap": 5.0, "has_sinks": True}),
+    "chunked": FeatureCase({**_GQA, "attention_chunk_size": 32}),
+    "chunked-64": FeatureCase({**_GQA, "attention_chunk_size": 64}),
+    "chunked-window": FeatureCase({**_GQA, "attention_chunk_size": 32, "sliding_window": 13}),
+    "chunked-noncausal": FeatureCase({**_GQA, "causal": False, "attention_chunk_size": 32}),
+    "chunked-sinks": FeatureCase({**_GQA, "attention_chunk_size": 32, "has_sinks": True}),
+    "chunked-24": FeatureCase({**_GQA, "attention_chunk_size": 24}),
 }
-"""Feature name -> case. "mha" is the plain layer of the preset cases; "gqa" of the others."""
+"""Feature name -> case. "mha" is the plain layer of the preset cases; "gqa" of the others.
+"chunked-24" is not a multiple of the usual page sizes, which virtual-batch backends refuse."""
 
 
 def _preset(name: str) -> Callable[[int], BatchSpec]:
@@ -125,10 +132,25 @@ _LSE_TOLERANCE = (5e-3, 1e-3)
 """(atol, rtol) of the log-sum-exp: fp32 from the same inputs on both sides; the slack covers
 approximate exp2 / tanh (softcap) instructions. A missing sink term or a base-2 value misses it
 by far more (the sink cases check that sinks move the lse by 10 * atol at least)."""
+_CHUNKED = ("chunked", "chunked-window", "chunked-noncausal", "chunked-sinks", "chunked-24")
 
 
 def _mixed(seed: int) -> BatchSpec:
     return BatchSpec.mixed(batch_size=6, max_len=60, seed=seed)
+
+
+def _chunk_edges_64(seed: int) -> BatchSpec:
+    return BatchSpec.chunk_edges(64, seed=seed)
+
+
+CHUNK_PRESETS: dict[str, Callable[[int], BatchSpec]] = {
+    "chunk-edges": lambda seed: BatchSpec.chunk_edges(32, seed=seed),
+    "decode": lambda seed: BatchSpec.decode(batch_size=8, max_context=200, seed=seed),
+    "verify": lambda seed: BatchSpec.verify(batch_size=4, draft_tokens=4, seed=seed),
+    "mixed+padding": lambda seed: BatchSpec.mixed(4, max_len=120, seed=seed).with_padding(2),
+}
+"""Batch preset name -> spec for a seed, for chunks of 32: rows on chunk edges, decode and
+speculative verify rows anywhere in a chunk, a mixed batch with graph padding rows."""
 
 
 class BackendConformance:
@@ -218,6 +240,23 @@ class BackendConformance:
     def test_layout(self, subject: Backend, oracle: Backend, order: str, page_size: int) -> None:
         """Storage orders (NHD, HND, packed K‖V) and page sizes on mixed batches."""
         self._check(subject, oracle, "gqa", self._dtype(subject), order, page_size, _mixed)
+
+    @pytest.mark.parametrize("preset", sorted(CHUNK_PRESETS))
+    @pytest.mark.parametrize("feature", _CHUNKED)
+    def test_chunked(self, subject: Backend, oracle: Backend, feature: str, preset: str) -> None:
+        """Chunked local attention where chunks matter: rows on chunk edges (decode on a
+        chunk's first and last position, extends across and from a boundary, a prefill over
+        several chunks), decode and verify rows anywhere, graph padding."""
+        spec = CHUNK_PRESETS[preset]
+        self._check(subject, oracle, feature, self._dtype(subject), "NHD", self.page_size, spec)
+
+    @pytest.mark.parametrize("order", _ORDERS)
+    def test_chunked_layout(
+        self, subject: Backend, oracle: Backend, order: str, page_size: int
+    ) -> None:
+        """Chunks of 64 over each storage order and page size."""
+        dtype = self._dtype(subject)
+        self._check(subject, oracle, "chunked-64", dtype, order, page_size, _chunk_edges_64)
 
     @pytest.mark.parametrize("feature", _DTYPE_FEATURES)
     def test_dtype(
@@ -449,13 +488,17 @@ class BackendConformance:
     # -- CUDA graphs ----------------------------------------------------------------------------
 
     @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
+    @pytest.mark.parametrize("feature", ["gqa", "chunked"])
     @pytest.mark.parametrize("tokens_per_seq", [1, 3])
     def test_graph_replay_equals_eager(
-        self, subject: Backend, tokens_per_seq: int, with_lse: bool
+        self, subject: Backend, tokens_per_seq: int, feature: str, with_lse: bool
     ) -> None:
         """CUDA-graph capture (``GraphRunner`` over graph_state / plan_for_capture /
         plan_for_replay) then replay of smaller batches equals eager execution (also the
-        ``lse=`` a captured step writes into a static buffer)."""
+        ``lse=`` a captured step writes into a static buffer), on a fresh backend prepared for
+        the one layer. A capture of several tokens per sequence may refuse a chunked layer
+        (virtual-batch backends serve chunks in decode graphs only), with reasons naming
+        ``attention_chunk_size``; it is then skipped with them."""
         if torch.device(self.device).type != "cuda":
             pytest.skip(f"CUDA graphs need a CUDA device; this class runs on {self.device}")
         level = subject.capabilities.graph_support
@@ -464,13 +507,23 @@ class BackendConformance:
             pytest.skip(
                 f"{subject.name} declares graph_support={level.name}, this needs {needed.name}"
             )
-        layer, layout = self._case("gqa", self._dtype(subject), "NHD", self.page_size)
+        layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
         reasons = subject.unsupported_reasons(layer, layout, self.device)
         if with_lse:
             reasons += lse_reasons_of(subject, layer, layout, torch.device(self.device))
         if reasons:
             pytest.skip("; ".join(map(str, reasons)))
-        self._graph_vs_eager(subject, layer, layout, tokens_per_seq, level, with_lse)
+        # Layers other tests prepared (chunked ones among them) must not decide this capture.
+        fresh = create_backend(self.backend, device=torch.device(self.device))
+        if isinstance(fresh, BackendBase):
+            fresh.prepare([layer], layout, self.device)
+        try:
+            self._graph_vs_eager(fresh, layer, layout, tokens_per_seq, level, with_lse)
+        except UnsupportedConfigError as exc:
+            chunked = {r.field for r in exc.reasons} == {"attention_chunk_size"}
+            if tokens_per_seq == 1 or layer.attention_chunk_size is None or not chunked:
+                raise
+            pytest.skip("refused: " + "; ".join(map(str, exc.reasons)))
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -74,6 +74,8 @@ def expected_step(
                     allowed &= j >= p - layer.sliding_window + 1
                     if not layer.causal:
                         allowed &= j <= p + layer.sliding_window - 1
+                if layer.attention_chunk_size is not None:
+                    allowed &= j // layer.attention_chunk_size == p // layer.attention_chunk_size
                 logits = scores.masked_fill(~allowed, float("-inf"))
                 if sinks is not None:
                     logits = torch.cat([logits, sinks[h].double().cpu().view(1)])

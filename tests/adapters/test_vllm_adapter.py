@@ -57,6 +57,18 @@ def test_padded_requests_pass_through() -> None:
     meta.validate(ADAPTER.kv_cache(torch.zeros(2, 8, 16, 2, 8), 2, 8))
 
 
+def test_numpy_host_ints_are_host_ints() -> None:
+    """vLLM's chunked-local virtual batch (make_local_attention_virtual_batches) sets
+    ``max_query_len`` to a numpy int; a bool is still no int."""
+    np = pytest.importorskip("numpy")
+    cm = mock_common_attn_metadata(BatchSpec((1, 7), (40, 7)))
+    meta = ADAPTER.build_metadata(dataclasses.replace(cm, max_query_len=np.int32(7)))
+    assert meta.max_query_len == 7
+    assert type(meta.max_query_len) is int
+    with pytest.raises(InvalidMetadataError, match="max_query_len"):
+        ADAPTER.build_metadata(dataclasses.replace(cm, max_query_len=True))
+
+
 def test_num_reqs_slices_wider_buffers() -> None:
     """vLLM hands views of persistent buffers; only the first num_reqs rows are this step's."""
     cm = mock_common_attn_metadata(BatchSpec((2, 1), (2, 30)))

@@ -11,6 +11,7 @@ the reference backend here; tests/gpu/test_flashinfer.py checks the real kernels
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import subprocess
 import sys
@@ -244,8 +245,9 @@ class _Calls:
 
 def _attend_csr(
     w: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sinks: Any, scale: Any
-) -> torch.Tensor:
-    """Attention over the CSR the wrapper holds (in its fixed buffers in graph mode)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the CSR the wrapper holds (in its fixed buffers in graph mode), and its
+    natural-log log-sum-exp (T, Hq)."""
     qo = w.qo.tolist()
     kv = w.kv_indptr.tolist()
     last = w.last.tolist()
@@ -256,6 +258,7 @@ def _attend_csr(
     hq, hkv = w.heads
     sm = w.sm_scale if scale is None else scale
     out = torch.zeros(q.shape[0], hq, v_cache.shape[-1])
+    lse = torch.full((q.shape[0], hq), float("-inf"))
     for r in range(len(last)):
         pages = kv[r + 1] - kv[r]
         n = (pages - 1) * p + last[r] if pages else 0
@@ -282,7 +285,8 @@ def _attend_csr(
             s = torch.cat([s, sinks.float()[:, None, None].expand(hq, s.shape[1], 1)], -1)
             v = torch.cat([v, torch.zeros(1, hq, v.shape[-1])])
         out[qo[r] : qo[r + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
-    return out
+        lse[qo[r] : qo[r + 1]] = torch.logsumexp(s, -1).t()
+    return out, lse
 
 
 class _FakeWrapper:
@@ -340,7 +344,11 @@ class _FakeWrapper:
         assert out.is_contiguous()
         sinks, scale = (args[0], args[1]) if self.sinks else (None, None)
         assert len(args) == (2 if self.sinks else 0)
-        out.copy_(_attend_csr(self, q, kv[0], kv[1], sinks, scale))
+        result, lse = _attend_csr(self, q, kv[0], kv[1], sinks, scale)
+        out.copy_(result)
+        if kw.get("return_lse"):  # FlashInfer's is base 2, written into the caller's buffer
+            kw["lse"].copy_(lse / math.log(2.0))
+            return out, kw["lse"]
         return out
 
 
@@ -441,6 +449,15 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "sinks-window": ({"has_sinks": True, "sliding_window": 9}, {}, {}),
     "dv": ({"head_dim": 128, "v_head_dim": 64}, {"v_head_dim": 64}, {}),
     "fp8-head-scales": ({}, {"kv_dtype": torch.float8_e4m3fn}, {"per_head_scales": True}),
+    "chunked": ({"attention_chunk_size": 32}, {}, {}),
+    "chunked-p1": ({"attention_chunk_size": 7}, {"page_size": 1}, {}),
+    "chunked-window": ({"attention_chunk_size": 16, "sliding_window": 7}, {}, {}),
+    "chunked-noncausal": ({"attention_chunk_size": 48, "causal": False}, {}, {}),
+    "chunked-sinks-dv": (
+        {"attention_chunk_size": 32, "has_sinks": True, "head_dim": 128, "v_head_dim": 64},
+        {"v_head_dim": 64},
+        {},
+    ),
 }
 
 
@@ -562,6 +579,91 @@ def test_graph_plans_replan_fixed_buffers(fake: CPUFlashInfer, tokens_per_seq: i
         assert_close_to_reference(out[:t], want)
         assert torch.equal(cache.k, ref_cache.k)
         assert (wrapper, kind) == captured.wrappers[next(iter(captured.wrappers))]
+
+
+def test_chunked_variants_plan_their_virtual_batch_once_per_step(
+    fake: CPUFlashInfer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full and chunked layers: one plan() per variant and one virtual batch per chunk size
+    per step, none per layer; each chunked layer reads its own CSR."""
+    made: list[int] = []
+    real = fi_module.virtual_metadata
+
+    def counted(meta: A.AttentionMetadata, chunk: int, page_size: int) -> A.AttentionMetadata:
+        made.append(chunk)
+        return real(meta, chunk, page_size)
+
+    monkeypatch.setattr(fi_module, "virtual_metadata", counted)
+    full, layout, _ = _layer_layout("gqa-p16")
+    c32 = dataclasses.replace(full, attention_chunk_size=32)
+    c64 = dataclasses.replace(full, attention_chunk_size=64)
+    layers = [c32, c64, c32, full] * 4
+    fake.prepare(layers, layout)
+    batch = make_batch(BatchSpec((70, 1, 40), (100, 90, 40)), full, layout, seed=2)
+    ref = ReferenceBackend()
+    for step in range(2):
+        before, made[:] = fake.plan_calls, []
+        plan = fake.plan(batch.metadata)
+        cache = batch.fresh_cache()
+        for i, layer in enumerate(layers):
+            k, v = (batch.k, batch.v) if i == 0 else (None, None)
+            out = fake.forward(batch.q, k, v, cache, plan, layer)
+            want, _ = dataclasses.replace(batch, layer=layer).run(ref)
+            assert_close_to_reference(out, want)
+        assert fake.plan_calls - before == 3, step
+        assert sorted(made) == [32, 64], step
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_graphs_with_chunked_and_full_variants(fake: CPUFlashInfer, head_dim: int) -> None:
+    """One decode capture holds a chunked and a full variant: each keeps its own fixed CSR
+    buffers (they read different pages); head_dim 128 with v_head_dim 64 runs the prefill
+    wrapper on one row per sequence."""
+    full = A.LayerSpec(8, 2, head_dim, v_head_dim=64)
+    chunked = dataclasses.replace(full, attention_chunk_size=32)
+    layout = A.KVCacheLayout(2, head_dim, 16, v_head_dim=64)
+    fake.prepare([full, chunked], layout)
+    state = fake.graph_state(8, 8, 8, page_size=16, device="cpu")
+    captured = fake.plan_for_capture(state, 8, 8)
+    assert len(captured.wrappers) == 2
+    r = random.Random(head_dim)
+    ref = ReferenceBackend()
+    for b in (1, 3, 8):
+        seq = [1 + r.randint(0, 127) for _ in range(b)]
+        seq[0] = 33  # the first position of a chunk
+        batch = make_batch(BatchSpec((1,) * b, tuple(seq)), full, layout, seed=b)
+        fake.plan_for_replay(captured, batch.metadata)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, torch.zeros(8 - x.shape[0], *x.shape[1:], dtype=x.dtype)])
+
+        cache = batch.fresh_cache()
+        for layer in (full, chunked):
+            out = fake.forward(pad(batch.q), pad(batch.k), pad(batch.v), cache, captured, layer)
+            want, _ = dataclasses.replace(batch, layer=layer).run(ref)
+            assert_close_to_reference(out[:b], want)
+    with pytest.raises(A.UnsupportedConfigError, match="attention_chunk_size"):
+        fake.plan_for_capture(state, 2, 6)
+
+
+def test_an_unprepared_chunked_layer_in_a_verify_graph_is_refused(fake: CPUFlashInfer) -> None:
+    """A chunked layer first seen by a multi-token capture (not prepared) is refused with the
+    reason, never planned over a virtual batch larger than the capture's fixed buffers."""
+    full, layout, _ = _layer_layout("gqa-p16")
+    fake.prepare([full], layout)
+    state = fake.graph_state(4, 12, 8, page_size=16, device="cpu")
+    captured = fake.plan_for_capture(state, 4, 12, max_query_len=3)
+    chunked = dataclasses.replace(full, attention_chunk_size=32)
+    q = torch.zeros(12, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(A.UnsupportedConfigError, match="attention_chunk_size"):
+        fake.forward(q, None, None, layout.allocate(9), captured, chunked)
+
+
+def test_chunk_sizes_off_the_page_size_are_refused(fake: CPUFlashInfer) -> None:
+    layer = A.LayerSpec(8, 2, 64, attention_chunk_size=40)
+    reasons = fake.unsupported_reasons(layer, A.KVCacheLayout(2, 64, 16), "cpu")
+    assert [r.field for r in reasons] == ["attention_chunk_size"]
+    assert fake.unsupported_reasons(layer, A.KVCacheLayout(2, 64, 8), "cpu") == []
 
 
 def test_graph_state_type_is_checked(fake: CPUFlashInfer) -> None:

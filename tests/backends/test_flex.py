@@ -4,12 +4,14 @@ and compile caching (one compiled bucket, reused without recompiling)."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
+from oracle import Semantics, visible
 
 import attnsdk as A
-from attnsdk.backends.flex import FlexBackend, FlexOptions
+from attnsdk.backends.flex import FlexBackend, FlexOptions, _build_mask
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import Batch, BatchSpec, assert_close_to_reference, make_batch
 
@@ -50,6 +52,10 @@ FEATURES: dict[str, dict[str, object]] = {
     "window-long": {"sliding_window": 40},
     "window-noncausal": {"sliding_window": 4, "causal": False},
     "noncausal": {"causal": False},
+    "chunked": {"attention_chunk_size": 32},
+    "chunked-odd": {"attention_chunk_size": 7},
+    "chunked-window": {"attention_chunk_size": 16, "sliding_window": 5},
+    "chunked-noncausal": {"attention_chunk_size": 24, "causal": False},
     "softcap": {"softcap": 1.5},
     "sinks": {"has_sinks": True},
     "sinks-window": {"has_sinks": True, "sliding_window": 3},
@@ -101,6 +107,43 @@ def test_random_batches() -> None:
         kw = r.choice(list(FEATURES.values()))
         layer, layout = layer_and_layout(**kw)  # type: ignore[arg-type]
         check(make_batch(spec, layer, layout, seed=seed))
+
+
+@pytest.mark.parametrize(
+    "layer_kw",
+    [
+        {},
+        {"sliding_window": 20},
+        {"causal": False},
+        {"attention_chunk_size": 48},
+        {"attention_chunk_size": 5, "sliding_window": 3},
+        {"attention_chunk_size": 64, "causal": False},
+    ],
+    ids=["causal", "window", "noncausal", "chunk", "chunk-window", "chunk-noncausal"],
+)
+def test_block_mask_lists_every_page_a_block_may_see(layer_kw: dict[str, Any]) -> None:
+    """Eager flex ignores block sparsity (its mask_mod alone decides), so the pages the block
+    mask lists for each (row, query block) are checked here against the oracle's rule: every
+    page holding a key some row of the block sees must be listed."""
+    layer, layout = layer_and_layout(**layer_kw)
+    state = eager.layer_state(layer, layout)
+    sem = Semantics.of(layer)
+    spec = BatchSpec((1, 300, 0, 130, 2), (301, 300, 9, 200, 97))
+    batch = make_batch(spec, layer, layout, seed=7)
+    meta = batch.metadata
+    n = batch.cache.num_pages
+    mask = _build_mask(meta, state, n, meta.num_tokens, None)
+    p = layout.page_size
+    for b, (q, length) in enumerate(zip(spec.query_lens, spec.seq_lens)):
+        pos = torch.arange(length - q, length)
+        for block in range(0, q, 128):
+            seen = visible(pos[block : block + 128], torch.arange(length), sem).any(0)
+            needed = set(meta.page_table[b, (torch.nonzero(seen).flatten() // p)].tolist())
+            count = int(mask.kv_num_blocks[b, 0, block // 128])
+            listed = set(mask.kv_indices[b, 0, block // 128, :count].tolist())
+            assert needed <= listed, (b, block, sorted(needed - listed))
+            if "attention_chunk_size" in layer_kw and layer.causal:
+                assert len(listed) == len(needed), "chunks leave pages out of the block mask"
 
 
 def test_output_rows_of_a_strided_out_and_q() -> None:

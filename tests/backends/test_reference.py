@@ -106,6 +106,11 @@ FEATURES: dict[str, dict[str, object]] = {
     "window-1": {"sliding_window": 1},
     "window-noncausal": {"sliding_window": 4, "causal": False},
     "noncausal": {"causal": False},
+    "chunked": {"attention_chunk_size": 8},
+    "chunked-1": {"attention_chunk_size": 1},
+    "chunked-window": {"attention_chunk_size": 8, "sliding_window": 5},
+    "chunked-noncausal": {"attention_chunk_size": 6, "causal": False},
+    "chunked-sinks": {"attention_chunk_size": 4, "has_sinks": True, "softcap": 2.0},
     "softcap": {"softcap": 1.5},
     "softcap-zero-is-off": {"softcap": 0.0},
     "sinks": {"has_sinks": True},
@@ -181,6 +186,20 @@ def test_lengths_at_page_edges(page_size: int) -> None:
     for pages in ORDERS:
         layer, layout = layer_and_layout(page_size=p, sliding_window=p + 1)
         check(make_batch(spec, layer, layout, pages=pages, seed=p))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 17])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_lengths_at_chunk_edges(page_size: int, chunk: int) -> None:
+    """Decode rows on the first and last position of a chunk, extends and prefills that
+    straddle one or several chunk boundaries, and an empty row."""
+    c = chunk
+    q = (1, 1, 1, c + 2, 2, 3 * c + 1, 0)
+    s = (c + 1, 2 * c, 3 * c + 1, 2 * c + 1, c + 1, 3 * c + 1, c)
+    spec = BatchSpec(q, s, "chunk-edges")
+    for causal in (True, False):
+        layer, layout = layer_and_layout(page_size=page_size, attention_chunk_size=c, causal=causal)
+        check(make_batch(spec, layer, layout, pages="shuffled", seed=c))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -345,6 +364,7 @@ def configs(draw: st.DrawFn) -> tuple[LayerSpec, KVCacheLayout, bool]:
         order=draw(st.sampled_from(["NHD", "HND"])),
         causal=draw(st.booleans()),
         sliding_window=draw(st.none() | st.integers(1, 48)),
+        attention_chunk_size=draw(st.none() | st.none() | st.integers(1, 40)),
         softcap=draw(st.none() | st.sampled_from([0.5, 4.0, 30.0])),
         has_sinks=draw(st.booleans()),
         scale=draw(st.none() | st.floats(0.02, 1.5)),

@@ -112,6 +112,22 @@ def test_forward_refuses_lse_without_the_feature_before_writing() -> None:
     assert torch.isfinite(out).all()
 
 
+def test_a_chunked_layer_is_refused_by_its_field_before_writing() -> None:
+    """A backend without ``Feature.CHUNKED_LOCAL`` refuses a chunked layer, naming the
+    ``LayerSpec`` field an integrator sets (not the feature's value)."""
+    batch = make_batch(BatchSpec(query_lens=(6,), seq_lens=(9,)), GQA, LAYOUT, seed=3)
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, attention_chunk_size=4)
+    reasons = Dense.reasons_for(layer, LAYOUT, "cpu")
+    assert [str(r) for r in reasons] == [
+        "configuration: attention_chunk_size is not supported by this backend"
+    ]
+    before = batch.cache.k.clone()
+    plan = Dense().plan(batch.metadata)
+    with pytest.raises(A.UnsupportedConfigError, match="attention_chunk_size"):
+        Dense().forward(batch.q, batch.k, batch.v, batch.cache, plan, layer)
+    assert torch.equal(batch.cache.k, before)
+
+
 def test_prepare_names_every_layer_it_cannot_serve() -> None:
     bad = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, softcap=30.0)
     worse = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=8)

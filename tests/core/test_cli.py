@@ -260,6 +260,12 @@ def test_explain() -> None:
     assert out.rstrip().endswith("result   auto picks reference, which can serve this layer")
 
 
+def test_explain_a_chunked_layer(cli: Any) -> None:
+    code, out, _ = cli("explain", *SHAPE, "--chunk", "8192", "--backend", "reference", *CPU)
+    assert code == 0
+    assert "sinks off, chunks 8192" in out
+
+
 def test_explain_json() -> None:
     proc = run_cli("explain", *SHAPE, "--dtype", "fp16", "--kv-dtype", "fp8", "--json", *CPU)
     assert proc.returncode == 0, proc.stderr
@@ -277,6 +283,7 @@ def test_explain_json() -> None:
         "sliding_window": None,
         "softcap": None,
         "has_sinks": False,
+        "attention_chunk_size": None,
     }
     assert report["layout"] == {
         "num_kv_heads": 8,
@@ -315,6 +322,7 @@ def test_explain_a_shape_auto_picks_but_cannot_serve(cli: Any) -> None:
 def test_explain_every_shape_flag(cli: Any) -> None:
     args = ["--heads", "8", "--kv-heads", "1", "--head-dim", "64", "--v-head-dim", "32"]
     args += ["--window", "128", "--softcap", "30", "--sinks", "--non-causal", "--page-size", "32"]
+    args += ["--chunk", "256"]
     args += ["--dtype", "torch.float32", "--order", "HND", "--backend", "reference", "--json"]
     code, out, _ = cli("explain", *args, *CPU)
     assert code == 0
@@ -329,6 +337,7 @@ def test_explain_every_shape_flag(cli: Any) -> None:
         "sliding_window": 128,
         "softcap": 30.0,
         "has_sinks": True,
+        "attention_chunk_size": 256,
     }
     assert (report["layout"]["page_size"], report["layout"]["dtype"]) == (32, "float32")
     assert report["layout"]["order"] == "HND"

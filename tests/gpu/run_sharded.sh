@@ -35,6 +35,7 @@ shard flashinfer_conformance tests/gpu/test_conformance_flashinfer.py &
 shard flex tests/gpu/test_flex_gpu.py tests/gpu/test_conformance_flex_cuda.py \
     tests/gpu/test_merge_states_cuda.py &
 shard models tests/gpu/test_models_gpu.py &
+shard chunked tests/gpu/test_chunked_gpu.py &
 shard fa3 tests/gpu/test_fa3.py tests/gpu/test_fuzz.py tests/gpu/test_graphs.py \
     tests/gpu/test_sglang_fa3.py tests/gpu/test_vllm_fa3.py tests/gpu/test_conformance_fa3.py &
 wait

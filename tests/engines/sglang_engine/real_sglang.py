@@ -94,7 +94,14 @@ class EngineRunner(ModelRunner):
     hybrid_gdn_config = mambaish_config = mamba2_config = None
     hybrid_lightning_config = kimi_linear_config = linear_attn_model_spec = None
 
-    def __init__(self, pools: Pools, *, kv_pool: Any = None, server_args: Any = None) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        *,
+        kv_pool: Any = None,
+        server_args: Any = None,
+        attention_chunk_size: int | None = None,
+    ) -> None:
         self.device = "cpu"
         self.gpu_id = 0
         self.dtype = self.kv_cache_dtype = pools.dtype
@@ -105,6 +112,8 @@ class EngineRunner(ModelRunner):
         self.token_to_kv_pool_allocator = pools.allocator
         self.is_draft_worker = False
         self.use_mla_backend = False
+        # The real runner copies it from the model config (Llama 4's chunked local attention).
+        self.attention_chunk_size = attention_chunk_size
         self.server_args = server_args or SimpleNamespace(
             speculative_algorithm=None, speculative_eagle_topk=None
         )
@@ -177,23 +186,25 @@ class Pools:
         return [pool.get_kv_buffer(i) for i in range(self.layers)]
 
 
-def make_layers() -> list[RadixAttention]:
-    """GQA decoder, sliding window (SGLang's W - 1 = 5: six keys), softcap, ENCODER_ONLY."""
+def make_layers(irope: bool = False) -> list[RadixAttention]:
+    """GQA decoder, sliding window (SGLang's W - 1 = 5: six keys), softcap, ENCODER_ONLY.
+    ``irope``: the GQA and softcap layers are Llama 4's chunked (``use_irope``) layers."""
     return [
-        RadixAttention(HQ, D, D**-0.5, HKV, layer_id=0),
+        RadixAttention(HQ, D, D**-0.5, HKV, layer_id=0, use_irope=irope),
         RadixAttention(HQ, D, D**-0.5, HKV, layer_id=1, sliding_window_size=5),
-        RadixAttention(HQ, D, 1.0, HKV, layer_id=2, logit_cap=2.0),
+        RadixAttention(HQ, D, 1.0, HKV, layer_id=2, logit_cap=2.0, use_irope=irope),
         RadixAttention(HQ, D, D**-0.5, HKV, layer_id=3, attn_type=AttentionType.ENCODER_ONLY),
     ]
 
 
 def native_serves(layer: RadixAttention) -> bool:
     """Whether SGLang's ``TorchNativeAttnBackend`` honours every feature of ``layer``: it never
-    reads ``logit_cap``, and 0.5.12's ignores ``sliding_window_size`` (read from its source)."""
+    reads ``logit_cap`` nor ``use_irope``, and 0.5.12's ignores ``sliding_window_size`` (read
+    from its source)."""
     source = inspect.getsource(TorchNativeAttnBackend)
     return all(
         getattr(layer, name) == unset or name in source
-        for name, unset in (("logit_cap", 0.0), ("sliding_window_size", -1))
+        for name, unset in (("logit_cap", 0.0), ("sliding_window_size", -1), ("use_irope", False))
     )
 
 
@@ -207,9 +218,12 @@ def attend(backend: Any, layer: RadixAttention, q, k, v, fb: ForwardBatch, **kwa
     return layer(q, k, v, fb, **kwargs)
 
 
-def oracle(layer: RadixAttention, q: torch.Tensor, k_buf, v_buf, r2t, rows, seq_lens, query_lens):
+def oracle(
+    layer: RadixAttention, q: torch.Tensor, k_buf, v_buf, r2t, rows, seq_lens, query_lens, chunk
+):
     """float64 attention of DESIGN §2, gathering keys through ``req_to_token`` (SGLang's own
-    map): query b's tokens sit at the last ``query_lens[b]`` of ``seq_lens[b]`` positions."""
+    map): query b's tokens sit at the last ``query_lens[b]`` of ``seq_lens[b]`` positions.
+    ``chunk``: the model's chunk size, applied to ``use_irope`` layers (as SGLang's FA3 does)."""
     out = torch.zeros(sum(query_lens), HQ, D, dtype=torch.float64)
     qd = q[: out.shape[0]].double().view(-1, HQ, D)
     causal = layer.attn_type != AttentionType.ENCODER_ONLY
@@ -226,6 +240,8 @@ def oracle(layer: RadixAttention, q: torch.Tensor, k_buf, v_buf, r2t, rows, seq_
             allowed = allowed & (kpos >= qpos - window + 1)
             if not causal:
                 allowed = allowed & (kpos <= qpos + window - 1)
+        if chunk is not None and layer.use_irope:
+            allowed = allowed & (kpos // chunk == qpos // chunk)
         scores = torch.einsum("nhd,lhd->hnl", qd[start : start + n], keys) * layer.scaling
         if layer.logit_cap > 0:
             scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
@@ -391,7 +407,7 @@ def random_qkv(tokens: int, dtype: torch.dtype, gen: torch.Generator) -> list[to
     return [torch.randn(tokens, h * D, generator=gen).to(dtype) for h in (HQ, HKV, HKV)]
 
 
-def expected_step(layer, qkv, buffers, r2t, fb: ForwardBatch, query_lens, seq_lens):
+def expected_step(layer, qkv, buffers, r2t, fb: ForwardBatch, query_lens, seq_lens, chunk=None):
     """(float64 output of the real tokens, K buffer, V buffer) one layer must produce: the
     real tokens' K/V stored at ``out_cache_loc`` first, then the oracle."""
     q, k, v = qkv
@@ -401,7 +417,7 @@ def expected_step(layer, qkv, buffers, r2t, fb: ForwardBatch, query_lens, seq_le
     k_buf[loc] = k[:n].view(n, HKV, D).to(k_buf.dtype)
     v_buf[loc] = v[:n].view(n, HKV, D).to(v_buf.dtype)
     rows = fb.req_pool_indices[: len(query_lens)].tolist()
-    return oracle(layer, q, k_buf, v_buf, r2t, rows, seq_lens, query_lens), k_buf, v_buf
+    return oracle(layer, q, k_buf, v_buf, r2t, rows, seq_lens, query_lens, chunk), k_buf, v_buf
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -413,13 +429,17 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 class Engine:
     """Runs steps on the drop-in and on SGLang's torch_native (twin pool) and checks both."""
 
-    def __init__(self, page_size: int, dtype: torch.dtype, *, rows: int = 4) -> None:
+    def __init__(
+        self, page_size: int, dtype: torch.dtype, *, rows: int = 4, chunk: int | None = None
+    ) -> None:
         self.pools = Pools(page_size, dtype, num_pages=12 if page_size == 16 else 192, rows=rows)
         self.table = RequestTable(self.pools)
-        self.dropin = create_backend(EngineRunner(self.pools), DROPIN)
+        runner = EngineRunner(self.pools, attention_chunk_size=chunk)
+        self.dropin = create_backend(runner, DROPIN)
         self.twin = self.pools.new_kv_pool()
         self.native = create_backend(EngineRunner(self.pools, kv_pool=self.twin), "torch_native")
-        self.layers = make_layers()
+        self.layers = make_layers(irope=chunk is not None)
+        self.chunk = chunk
         self.gen = torch.Generator().manual_seed(page_size)
         self.tol = tolerance(dtype)
 
@@ -442,7 +462,9 @@ class Engine:
         outs = []
         for layer, buffers in zip(self.layers, before):
             qkv = random_qkv(fb.out_cache_loc.shape[0], self.pools.dtype, self.gen)
-            want, want_k, want_v = expected_step(layer, qkv, buffers, r2t, fb, query_lens, seq_lens)
+            want, want_k, want_v = expected_step(
+                layer, qkv, buffers, r2t, fb, query_lens, seq_lens, self.chunk
+            )
             got = attend(self.dropin, layer, *qkv, fb)
             assert got.shape == (qkv[0].shape[0], want.shape[1])
             assert got.dtype == qkv[0].dtype

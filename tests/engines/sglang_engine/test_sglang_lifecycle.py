@@ -140,6 +140,28 @@ def test_lifecycle(page_size, dtype, monkeypatch):
     e.run(t.batch(M.DECODE, items))
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_llama4_chunked_layers(page_size):
+    """Llama 4's iRoPE layers: the model runner's ``attention_chunk_size`` (16) on the layers
+    with ``use_irope`` (0 and 2), global attention on the others, as SGLang's FA3 backend
+    does: a prefill over two chunks, decodes on a chunk's first and last position, an extend
+    across a boundary, checked against the oracle (torch_native, which has no chunks, only
+    on the global layers)."""
+    e = Engine(page_size, torch.float32, chunk=16)
+    assert [layer.use_irope for layer in e.layers] == [True, False, True, False]
+    t = e.table
+    a, b = t.admit(), t.admit()
+    for items in (
+        [(a, 31), (b, 15)],  # A ends on position 30 (chunk 1), B on 14
+        [(a, 1), (b, 1)],  # A decodes position 31 (last of chunk 1), B 15 (last of chunk 0)
+        [(a, 1), (b, 1)],  # first positions of chunks 2 and 1: they see only themselves
+        [(a, 5), (b, 1)],  # A extends 33..37, B decodes 17
+    ):
+        e.run(t.batch(M.EXTEND if max(n for _, n in items) > 1 else M.DECODE, items))
+        for req, n in items:
+            req.length += n
+
+
 def _forbidden(name):
     def call(*args, **kwargs):
         raise AssertionError(f"IDLE step called attnsdk Backend.{name}")

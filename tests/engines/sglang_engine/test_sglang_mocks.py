@@ -110,10 +110,11 @@ LAYERS = [
     LayerSpec(num_heads=4, num_kv_heads=4, head_dim=32, sliding_window=128),
     LayerSpec(num_heads=4, num_kv_heads=1, head_dim=32, softcap=30.0, scale=0.1),
     LayerSpec(num_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=32, causal=False),
+    LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64, attention_chunk_size=8192),
 ]
 
 
-@pytest.mark.parametrize("spec", LAYERS, ids=["gqa", "window", "softcap", "encoder_dv"])
+@pytest.mark.parametrize("spec", LAYERS, ids=["gqa", "window", "softcap", "encoder_dv", "irope"])
 def test_radix_attention_from_layer_spec(spec):
     mock = mocks.MockRadixAttention.from_layer_spec(spec, layer_id=3)
     real = RadixAttention(
@@ -126,6 +127,7 @@ def test_radix_attention_from_layer_spec(spec):
         v_head_dim=spec.v_dim,
         sliding_window_size=spec.window_left,
         attn_type=AttentionType.DECODER if spec.causal else AttentionType.ENCODER_ONLY,
+        use_irope=spec.attention_chunk_size is not None,
     )
     for f in dataclasses.fields(mock):
         value = getattr(mock, f.name)

@@ -1,0 +1,113 @@
+"""fa3 on the CPU over a fake FA3 kernel, for the tests that run the backend without a GPU.
+
+``FakeKernel`` implements the contract the backend relies on (``flash_attn_with_kvcache`` over a
+paged cache: ``cu_seqlens_q``, ``cache_seqlens``, ``page_table``, bottom-right causal mask,
+``window_size``, softcap, sinks, fp8 descales, the log-sum-exp) in plain PyTorch; ``fake_fa3`` patches the fa3
+module so that ``CPUFA3()`` runs on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import attnsdk._capabilities as caps_module
+from attnsdk._base import BackendBase
+from attnsdk.backends import fa3
+from attnsdk.backends.fa3 import FA3Backend
+
+if TYPE_CHECKING:
+    import pytest
+
+
+class FakeKernel:
+    """``KernelCall``'s interface, computed on the CPU; records each launch's batch size."""
+
+    provider = "flash_attn_interface"
+    scheduler = None
+    returns_lse = True
+
+    def __init__(self) -> None:
+        self.batch_sizes: list[int] = []
+
+    def __call__(self, q, k_cache, v_cache, out, **kw: Any) -> None:  # type: ignore[no-untyped-def]
+        qsl, lens = kw["cu_seqlens_q"].tolist(), kw["cache_seqlens"].tolist()
+        table = kw["page_table"]
+        assert table.dtype == torch.int32
+        assert table.stride(-1) == 1
+        assert kw["cache_seqlens"].dtype == torch.int32
+        self.batch_sizes.append(len(lens))
+        p, hq, hkv = k_cache.shape[1], q.shape[1], k_cache.shape[2]
+        wl, wr = kw["window"]
+        for b, length in enumerate(lens):
+            q0, q1 = qsl[b], qsl[b + 1]
+            n = q1 - q0
+            if n == 0:
+                continue
+            assert n <= kw["max_seqlen_q"], (n, kw["max_seqlen_q"])
+            assert n <= length, (n, length)
+            assert -(-length // p) <= table.shape[1], "a sequence reads past its page-table row"
+            pages = table[b, : -(-length // p)].long()
+            k = k_cache[pages].flatten(0, 1)[:length].float()
+            v = v_cache[pages].flatten(0, 1)[:length].float()
+            if kw["k_descale"] is not None:  # (B, Hkv): fp8 caches
+                k = k * kw["k_descale"][b].float()[:, None]
+            if kw["v_descale"] is not None:
+                v = v * kw["v_descale"][b].float()[:, None]
+            k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+            s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * kw["softmax_scale"]
+            if kw["softcap"]:
+                s = kw["softcap"] * torch.tanh(s / kw["softcap"])
+            pos = length - n + torch.arange(n)[:, None]
+            j = torch.arange(length)[None, :]
+            keep = torch.ones(n, length, dtype=torch.bool)
+            if kw["causal"]:
+                keep &= j <= pos
+            if wl >= 0:
+                keep &= (j >= pos - wl) & (j <= pos + wr)
+            s = s.masked_fill(~keep, float("-inf"))
+            if kw["sinks"] is not None:
+                sink = kw["sinks"].float()[:, None, None].expand(hq, n, 1)
+                s = torch.cat([s, sink], -1)
+                v = torch.cat([v, torch.zeros(1, hq, v.shape[-1])])
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).to(out.dtype)
+            if kw.get("lse") is not None:  # (T, Hq), natural log, the sink column included
+                kw["lse"][q0:q1] = torch.logsumexp(s, -1).t()
+
+
+class _HostStore:
+    def poll(self, device: torch.device) -> None:
+        pass
+
+    def check_now(self, device: torch.device) -> None:
+        pass
+
+
+class CPUFA3(FA3Backend):
+    """The backend on the CPU: the fake kernel and the portable KV store."""
+
+    capabilities = dataclasses.replace(
+        FA3Backend.capabilities,
+        devices=frozenset({"cpu"}),
+        min_compute_capability=None,
+        max_compute_capability=None,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._store = _HostStore()  # type: ignore[assignment]
+
+    def store(self, k, v, cache, plan, state, *, k_scale, v_scale) -> None:  # type: ignore[no-untyped-def,override]
+        BackendBase.store(self, k, v, cache, plan, state, k_scale=k_scale, v_scale=v_scale)
+
+
+def fake_fa3(mp: pytest.MonkeyPatch) -> FakeKernel:
+    """Patch the fa3 module (kernel, provider, build flags; no GPU) and return the kernel."""
+    fake = FakeKernel()
+    mp.setattr(fa3, "load_kernel", lambda provider: fake)
+    mp.setattr(fa3, "find_provider", lambda pinned="auto": "flash_attn_interface")
+    mp.setattr(fa3, "build_flags", dict)
+    mp.setattr(caps_module, "compute_capability", lambda device=None: None)
+    return fake
