@@ -10,8 +10,8 @@
 concatenated with the cache's past by the model) into a scratch paged cache and runs one
 ``backend.forward``; the backend is created on first use per device.
 
-attnsdk serves bottom-right causal (or non-causal) attention with a sliding window, softcap and
-sinks over one contiguous run of keys per sequence, not arbitrary masks. The mask function
+attnsdk serves bottom-right causal (or non-causal) attention with a sliding window, chunks
+(Llama 4), softcap and sinks over one contiguous run of keys per sequence, not arbitrary masks. The mask function
 registered here always materialises the model's boolean mask, and the attention function checks
 it against the pattern it computes, row by row: no padding and left padding (``generate`` on a
 left-padded batch, a padded encoder batch) are served exactly; anything else (right padding in a
@@ -158,6 +158,7 @@ class _AttentionFunction:
             sliding_window=kwargs.get("sliding_window"),
             softcap=kwargs.get("softcap"),
             has_sinks=sinks is not None,
+            attention_chunk_size=_chunk_size(module),
         )
         segments = _segments(attention_mask, layer, b, sq, sk, getattr(module, "layer_idx", None))
         return self._attend(query, key, value, layer, segments, sinks), None
@@ -275,8 +276,22 @@ def _allowed(mask: torch.Tensor, b: int, sq: int, sk: int) -> torch.Tensor:
     return allowed[:, 0].to(torch.bool)
 
 
+def _chunk_size(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4's ``layer_types[i] ==
+    "chunked_attention"``, with ``config.attention_chunk_size``), else None."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(types, (list, tuple)) or not isinstance(idx, int) or idx >= len(types):
+        return None
+    if types[idx] != "chunked_attention":
+        return None
+    return getattr(config, "attention_chunk_size", None)
+
+
 def _pattern(layer: LayerSpec, query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """(query_len, seq_len) bool: the keys attnsdk lets each query see (DESIGN §2)."""
+    """(query_len, seq_len) bool: the keys attnsdk lets each query see (DESIGN §2), positions
+    counted from the sequence's first key."""
     pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
     j = torch.arange(seq_len, device=device)[None, :]
     seen = torch.ones(query_len, seq_len, dtype=torch.bool, device=device)
@@ -286,6 +301,8 @@ def _pattern(layer: LayerSpec, query_len: int, seq_len: int, device: torch.devic
         seen &= (pos - j) < layer.sliding_window
         if not layer.causal:
             seen &= (j - pos) < layer.sliding_window
+    if layer.attention_chunk_size is not None:
+        seen &= (j // layer.attention_chunk_size) == (pos // layer.attention_chunk_size)
     return seen
 
 

@@ -2,7 +2,8 @@
 
 Tiny models with random weights, each compared with the same weights under transformers' own
 eager attention: prefill logits (fp32, tight tolerance), greedy tokens over a DynamicCache, a
-left-padded batch (served exactly) and a right-padded causal batch (refused).
+left-padded batch (served exactly) and a right-padded causal batch (refused). Llama 4's chunked
+layers map to ``LayerSpec.attention_chunk_size``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ CONFIGS: dict[str, Any] = {
         attn_logit_softcapping=5.0,
         final_logit_softcapping=30.0,
         query_pre_attn_scalar=8,
+    ),
+    # Chunked (C=4) and global layers (every fourth), a small MoE.
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **COMMON, intermediate_size_mlp=128, attention_chunk_size=4, num_local_experts=2
     ),
     # Sinks on every layer, sliding (W=4) and full layers, a small MoE.
     "gpt_oss": lambda: transformers.GptOssConfig(

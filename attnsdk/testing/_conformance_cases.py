@@ -1,0 +1,198 @@
+"""The cases of ``attnsdk.testing.conformance``: layers, batch presets and the helpers that
+compare a backend's cache with the reference's (a private module; the suite re-exports
+``FEATURES``, ``PRESETS``, ``CHUNK_PRESETS`` and ``FeatureCase``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from attnsdk._base import BackendBase
+from attnsdk._kv import KVCache, KVCacheLayout
+from attnsdk._layer import LayerSpec
+from attnsdk.testing._spec import BatchSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from attnsdk._backend import Backend
+    from attnsdk._config import AttentionConfig
+    from attnsdk._metadata import AttentionMetadata
+    from attnsdk.testing._batch import PageOrder
+
+_E4M3 = torch.float8_e4m3fn
+PACKED = "packed"
+"""Storage order of the layout cases: vLLM's [N, Hkv, P, D + Dv] tensor, K and V its halves."""
+_ORDERS = ("NHD", "HND", PACKED)
+_PAGE_ORDERS: tuple[PageOrder, ...] = ("shuffled", "interleaved", "contiguous")
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureCase:
+    """One feature case: the layer's and the layout's options on top of the plain layer."""
+
+    layer: dict[str, Any]
+    kv_dtype: torch.dtype | None = None
+    per_head_scales: bool = False
+
+
+_GQA = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64}
+FEATURES: dict[str, FeatureCase] = {
+    "mha": FeatureCase({"num_heads": 4, "num_kv_heads": 4, "head_dim": 64}),
+    "gqa": FeatureCase(_GQA),
+    "mqa": FeatureCase({**_GQA, "num_kv_heads": 1}),
+    "window": FeatureCase({**_GQA, "sliding_window": 13}),
+    "noncausal": FeatureCase({**_GQA, "causal": False}),
+    "noncausal-window": FeatureCase({**_GQA, "causal": False, "sliding_window": 9}),
+    "softcap": FeatureCase({**_GQA, "softcap": 2.0}),
+    "sinks": FeatureCase({**_GQA, "has_sinks": True}),
+    "v-head-dim": FeatureCase({**_GQA, "head_dim": 192, "v_head_dim": 128}),
+    "fp8-e4m3": FeatureCase(_GQA, kv_dtype=_E4M3),
+    "fp8-e4m3-per-head": FeatureCase(_GQA, kv_dtype=_E4M3, per_head_scales=True),
+    "everything": FeatureCase({**_GQA, "sliding_window": 17, "softcap": 5.0, "has_sinks": True}),
+    "chunked": FeatureCase({**_GQA, "attention_chunk_size": 32}),
+    "chunked-64": FeatureCase({**_GQA, "attention_chunk_size": 64}),
+    "chunked-window": FeatureCase({**_GQA, "attention_chunk_size": 32, "sliding_window": 13}),
+    "chunked-noncausal": FeatureCase({**_GQA, "causal": False, "attention_chunk_size": 32}),
+    "chunked-sinks": FeatureCase({**_GQA, "attention_chunk_size": 32, "has_sinks": True}),
+    "chunked-24": FeatureCase({**_GQA, "attention_chunk_size": 24}),
+}
+"""Feature name -> case. "mha" is the plain layer of the preset cases; "gqa" of the others.
+"chunked-24" is not a multiple of the usual page sizes, which virtual-batch backends refuse."""
+
+
+def _preset(name: str) -> Callable[[int], BatchSpec]:
+    return lambda seed: BatchSpec.presets(seed)[name]
+
+
+PRESETS: dict[str, Callable[[int], BatchSpec]] = {
+    **{name: _preset(name) for name in BatchSpec.presets()},
+    "mixed+padding": lambda seed: BatchSpec.mixed(4, max_len=40, seed=seed).with_padding(2, 3),
+}
+"""Batch preset name -> spec for a seed: ``BatchSpec.presets()`` (decode, prefill, chunked
+prefill, mixed, speculative verify, long context, empty rows, graph padding) and padding rows of
+several tokens."""
+
+_DTYPE_FEATURES = ("gqa", "everything", "fp8-e4m3")
+_LSE_FEATURES = (
+    "gqa", "mqa", "window", "noncausal", "noncausal-window", "softcap", "sinks", "v-head-dim",
+    "fp8-e4m3", "everything",
+)  # fmt: skip
+_SPLIT_FEATURES = ("gqa", "softcap", "sinks")
+"""Layers whose keys split into a prefix and a suffix pass exactly (no window)."""
+_LSE_TOLERANCE = (5e-3, 1e-3)
+"""(atol, rtol) of the log-sum-exp: fp32 from the same inputs on both sides; the slack covers
+approximate exp2 / tanh (softcap) instructions. A missing sink term or a base-2 value misses it
+by far more (the sink cases check that sinks move the lse by 10 * atol at least)."""
+_CHUNKED = ("chunked", "chunked-window", "chunked-noncausal", "chunked-sinks", "chunked-24")
+
+
+def _mixed(seed: int) -> BatchSpec:
+    return BatchSpec.mixed(batch_size=6, max_len=60, seed=seed)
+
+
+def _chunk_edges_64(seed: int) -> BatchSpec:
+    return BatchSpec.chunk_edges(64, seed=seed)
+
+
+CHUNK_PRESETS: dict[str, Callable[[int], BatchSpec]] = {
+    "chunk-edges": lambda seed: BatchSpec.chunk_edges(32, seed=seed),
+    "decode": lambda seed: BatchSpec.decode(batch_size=8, max_context=200, seed=seed),
+    "verify": lambda seed: BatchSpec.verify(batch_size=4, draft_tokens=4, seed=seed),
+    "mixed+padding": lambda seed: BatchSpec.mixed(4, max_len=120, seed=seed).with_padding(2),
+}
+"""Batch preset name -> spec for a seed, for chunks of 32: rows on chunk edges, decode and
+speculative verify rows anywhere in a chunk, a mixed batch with graph padding rows."""
+
+
+def _rows(table: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """A page table whose row b is ``table[b, start:stop]``, padded with the reserved page 0."""
+    width = max(1, *(stop - start for start, stop in spans))
+    rows = torch.zeros(len(spans), width, dtype=table.dtype)
+    for b, (start, stop) in enumerate(spans):
+        rows[b, : stop - start] = table[b, start:stop]
+    return rows
+
+
+def _layers_for(layout: KVCacheLayout) -> list[LayerSpec]:
+    """The feature layers that fit ``layout``'s KV heads and head dims."""
+    dims = (layout.num_kv_heads, layout.head_dim, layout.v_dim)
+    layers = [LayerSpec(**f.layer) for f in FEATURES.values() if f.kv_dtype is None]
+    return [lay for lay in layers if (lay.num_kv_heads, lay.head_dim, lay.v_dim) == dims]
+
+
+def _base(subject: Backend) -> BackendBase:
+    if not isinstance(subject, BackendBase):
+        pytest.skip(f"{type(subject).__name__} is no BackendBase: it has no prepare / warmup")
+    return subject
+
+
+def _name(config: str | AttentionConfig) -> str:
+    return config if isinstance(config, str) else config.backend
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _packed(cache: KVCache) -> KVCache:
+    """An HND cache as vLLM stores it: one [N, Hkv, P, D + Dv] tensor, K and V its halves."""
+    d = cache.layout.head_dim
+    both = torch.cat([cache.k, cache.v], dim=-1)
+    return cache.layout.wrap(both[..., :d], both[..., d:])
+
+
+def _copy(cache: KVCache) -> KVCache:
+    """A copy that keeps the storage arrangement (a packed cache stays packed)."""
+    same = cache.k.untyped_storage().data_ptr() == cache.v.untyped_storage().data_ptr()
+    if same:
+        return _packed(cache)
+    return KVCache(cache.layout, cache.k.clone(), cache.v.clone())
+
+
+def _entries(x: torch.Tensor) -> torch.Tensor:
+    """(N, P, Hkv, D) as (N, P, bytes) on the CPU, to compare bits per slot."""
+    return x.contiguous().cpu().view(torch.uint8).reshape(x.shape[0], x.shape[1], -1)
+
+
+def _fp8_step(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) of one step of ``dtype``: its smallest subnormal, 2 ** -mantissa bits."""
+    return (2.0**-9, 2.0**-3) if dtype == _E4M3 else (2.0**-16, 2.0**-2)
+
+
+def _slots(meta: AttentionMetadata) -> Iterator[int]:
+    yield from (s for s in meta.slot_mapping[: meta.num_tokens].tolist() if s >= 0)
+
+
+def _assert_same_cache(
+    got: KVCache,
+    want: KVCache,
+    meta: AttentionMetadata,
+    *,
+    exact: bool,
+    what: str = "step",
+) -> None:
+    """Every slot as ``want`` has it: bit-exact, or for fp8 slots the step writes, within one
+    fp8 step (a kernel's division may round the other way). Names the first bad slot."""
+    p = got.layout.page_size
+    written = torch.zeros(got.num_pages * p, dtype=torch.bool)
+    written[list(_slots(meta))] = True
+    written = written.view(-1, p)
+    for name, g, w in (("K", got.k_nhd, want.k_nhd), ("V", got.v_nhd, want.v_nhd)):
+        bad = (_entries(g) != _entries(w)).any(dim=-1)
+        if not exact:
+            atol, rtol = _fp8_step(g.dtype)
+            gf, wf = g.float().cpu(), w.float().cpu()
+            near = ((gf - wf).abs() <= atol + rtol * wf.abs()).flatten(2).all(dim=-1)
+            bad &= ~(written & near)
+        if bool(bad.any()):
+            page, offset = (int(i) for i in torch.nonzero(bad)[0])
+            slot = page * p + offset
+            role = "a slot it writes" if bool(written[page, offset]) else "a slot it must not touch"
+            raise AssertionError(
+                f"{name} cache after the {what} differs from the reference's at {int(bad.sum())} "
+                f"slots; first: slot {slot} (page {page}, offset {offset}), {role}"
+            )
