@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -44,6 +44,10 @@ __all__ = ["SEQ_LEN_FILL_VALUE", "SGLANG_VERSIONS", "SGLangAttentionBackendImpl"
 
 SGLANG_VERSIONS = EngineVersions("sglang", ("0.5.12.post1", "0.5.23"))
 """The SGLang releases the engine tier (``make test-engines``) runs the drop-in in."""
+
+Output: TypeAlias = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""What the forward methods return: the output, or ``(output, lse)`` when SGLang asks for the
+log-sum-exp."""
 
 
 class SGLangAttentionBackendImpl(SGLangGraphHooks):
@@ -115,14 +119,19 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs: Any,
-    ) -> torch.Tensor:
-        """q ``[T, Hq*D]``, k/v ``[T, Hkv*D|Dv]`` (or None) → ``[T, Hq*Dv]`` in q's dtype.
+    ) -> Output:
+        """q ``[T, Hq*D]``, k/v ``[T, Hkv*D|Dv]`` (or None) → ``[T, Hq*Dv]`` in q's dtype; with
+        ``return_lse=True`` (or ``forward_batch.mha_return_lse``) ``(output, lse)`` as SGLang's
+        FA3 backend returns them, lse ``[T, Hq]`` fp32 (natural log, ``forward(lse=)``).
 
         IDLE batches return an empty output without attending, as SGLang's base class does
         (SGLang runs them without ``init_forward_metadata``).
         """
         if forward_batch.forward_mode.is_idle():
-            return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+            out = q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+            if _wants_lse(forward_batch, kwargs):
+                return out, q.new_empty(q.shape[0], layer.tp_q_head_num, dtype=torch.float32)
+            return out
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
     def forward_extend(
@@ -134,7 +143,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> Output:
         """Extend, mixed, verify and draft-extend steps; one attnsdk call serves them all."""
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
@@ -147,7 +156,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> Output:
         """Decode steps."""
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
@@ -162,13 +171,13 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         fb: ForwardBatch,
         save_kv_cache: bool,
         kwargs: dict[str, Any],
-    ) -> torch.Tensor:
+    ) -> Output:
         sinks = kwargs.pop("sinks", None)
-        # SGLang's runners and models pass more keywords (return_lse, q_rope / k_rope, fp8
-        # q/k/v descales, score_mod, rel_bias, ...): at None / False they ask for nothing;
-        # anything else asks for what this drop-in does not serve yet, which is refused, not
-        # ignored (return_lse: attnsdk has forward(lse=), but SGLang's (o, lse) return is not
-        # mapped onto it here).
+        want_lse = _wants_lse(fb, kwargs)
+        kwargs.pop("return_lse", None)
+        # SGLang's runners and models pass more keywords (q_rope / k_rope, fp8 q/k/v descales,
+        # score_mod, rel_bias, ...): at None / False they ask for nothing; anything else asks
+        # for what this drop-in does not serve yet, which is refused, not ignored.
         for name, value in kwargs.items():
             if value is not None and value is not False:
                 refuse(
@@ -195,6 +204,11 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
                 )
                 k3 = v3 = None  # written: the attnsdk backend only attends
         quantized = cache.layout.is_quantized
+        lse = (
+            torch.empty(rows, spec.num_heads, dtype=torch.float32, device=q.device)
+            if want_lse
+            else None
+        )
         out = self.backend.forward(
             q3,
             k3,
@@ -205,8 +219,10 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             sinks=sinks,
             k_scale=layer.k_scale if quantized else None,
             v_scale=layer.v_scale if quantized else None,
+            lse=lse,
         )
-        return out.reshape(rows, spec.num_heads * spec.v_dim)
+        out = out.reshape(rows, spec.num_heads * spec.v_dim)
+        return (out, lse) if lse is not None else out
 
     def _layer(self, layer: RadixAttention, dtype: torch.dtype, sinks: bool) -> LayerEntry:
         pool = self.token_to_kv_pool
@@ -319,6 +335,13 @@ def _chunk_size(model_runner: ModelRunner) -> int | None:
             "model_runner.attention_chunk_size", "None or an int >= 1", repr(value)
         )
     return value
+
+
+def _wants_lse(fb: ForwardBatch, kwargs: dict[str, Any]) -> bool:
+    """SGLang asks for the log-sum-exp per call (``return_lse=True``, 0.5.13+) or per batch
+    (``ForwardBatch.mha_return_lse``, set for MHA chunked prefill); its callers then unpack
+    ``(output, lse)``."""
+    return bool(kwargs.get("return_lse") or getattr(fb, "mha_return_lse", False))
 
 
 def _heads(name: str, t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:

@@ -24,6 +24,8 @@ class Expected:
     k_buffer: torch.Tensor
     """The layer's K buffer after the step, in its storage dtype."""
     v_buffer: torch.Tensor
+    lse: torch.Tensor
+    """(T, Hq) float64 natural-log log-sum-exp (sinks included); -inf on padding rows."""
 
 
 def expected_step(
@@ -49,6 +51,7 @@ def expected_step(
     rows = fb.req_pool_indices.cpu().tolist()
     q_all = batch.q.cpu().double().view(t, hq, d)
     out = torch.zeros(t, hq, dv, dtype=torch.float64)
+    lse = torch.full((t, hq), float("-inf"), dtype=torch.float64)
     scale = layer.softmax_scale
     group = hq // hkv
     start = 0
@@ -81,5 +84,6 @@ def expected_step(
                     logits = torch.cat([logits, sinks[h].double().cpu().view(1)])
                 probs = torch.softmax(logits, 0)[:total]
                 out[start + i, h] = probs @ values[:, kh]
+                lse[start + i, h] = torch.logsumexp(logits, 0)
         start += n
-    return Expected(out.view(t, hq * dv), k_buf, v_buf)
+    return Expected(out.view(t, hq * dv), k_buf, v_buf, lse)

@@ -7,6 +7,8 @@ softcap, encoder-only layers, sinks; outputs and the layer's KV buffers are both
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -236,7 +238,6 @@ def test_idle_after_a_step_never_reuses_its_plan():
 @pytest.mark.parametrize(
     ("kwarg", "value"),
     [
-        ("return_lse", True),
         ("q_rope", torch.zeros(1)),
         ("k_descale", torch.ones(1)),
         ("score_mod", lambda s: s),
@@ -252,6 +253,32 @@ def test_keyword_arguments_not_served_are_refused(kwarg, value):
         dropin.forward(
             batch.q, batch.k, batch.v, batch.layer, batch.forward_batch, **{kwarg: value}
         )
+
+
+@pytest.mark.parametrize("how", ["return_lse", "mha_return_lse"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_lse_is_returned_as_sglangs_fa3_backend_returns_it(how, sinks):
+    """``return_lse=True`` (or ``ForwardBatch.mha_return_lse``): ``(output, lse)``, lse
+    ``[T, Hq]`` fp32, natural log, the sink included; the output as without it."""
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, has_sinks=sinks)
+    batch = make_sglang_batch(BatchSpec((1, 5, 0), (9, 12, 1)), layer, M.EXTEND, page_size=4)
+    sink = torch.linspace(-1.0, 2.0, 4) if sinks else None
+    expected = expected_step(batch, layer, sinks=sink)
+    fb = batch.forward_batch
+    kwargs: dict[str, Any] = {"sinks": sink} if sinks else {}
+    if how == "return_lse":
+        kwargs["return_lse"] = True
+    else:
+        fb = SimpleNamespace(**{f.name: getattr(fb, f.name) for f in dataclasses.fields(fb)})
+        fb.mha_return_lse = True
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    dropin.init_forward_metadata(batch.forward_batch)
+    out, lse = dropin.forward(batch.q, batch.k, batch.v, batch.layer, fb, **kwargs)
+    check(batch, layer, out, expected=expected)
+    assert lse.shape == (batch.q.shape[0], 4)
+    assert lse.dtype == torch.float32
+    real = batch.real_tokens
+    torch.testing.assert_close(lse[real].double(), expected.lse[real], atol=1e-4, rtol=1e-5)
 
 
 def test_keyword_arguments_at_their_defaults_are_accepted():

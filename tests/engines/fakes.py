@@ -231,10 +231,24 @@ def is_fake(obj: object) -> bool:
     return bool(getattr(obj, "__fake__", False) or getattr(obj, "_fake_stub", False))
 
 
+def hide_hub_kernels() -> None:
+    """Make ``import kernels`` fail with ImportError, which transformers takes for "no hub
+    kernels".
+
+    A fresh dev venv resolves the newest transformers, which brings the newest ``kernels``
+    package; an engine release's own, older transformers (SGLang 0.5.12.post1 ships 5.6.0) finds
+    it, calls its API as it was (``LayerRepository`` without a revision) and fails at import.
+    Hub kernels download GPU code: the CPU engine tier has no use for them in any release.
+    """
+    if "kernels" not in sys.modules:
+        sys.modules["kernels"] = None  # type: ignore[assignment]
+
+
 def install_sglang() -> None:
     """Register SGLang's fakes (idempotent). Must run before ``import sglang``."""
     if "sglang" in sys.modules and not _ACTIVE:
         raise RuntimeError("fakes.install_sglang() must run before sglang is imported")
+    hide_hub_kernels()
     _ACTIVE.update(SGLANG_FAKED)
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
@@ -351,6 +365,7 @@ def install_vllm(
     Must run before anything reads ``vllm.platforms.current_platform``.  ``hf_home=None``
     leaves HF_HOME / HF_HUB_OFFLINE alone; ``cache_ops=False`` skips the CPU cache op.
     """
+    hide_hub_kernels()
 
     if hf_home is not None:
         hf_home = Path(hf_home)

@@ -13,8 +13,9 @@ written from DESIGN §2 and, where SGLang's ``TorchNativeAttnBackend`` serves th
 backend run on a twin pool (not in TARGET_VERIFY; not for the softcap layer, whose ``logit_cap``
 it ignores, nor on 0.5.12 for the window layer). The IDLE batch must not reach the attnsdk
 backend at all. Tree verify (NGRAM, EAGLE topk > 1), at start-up and per batch, and forward
-keywords SGLang passes with non-default values (``return_lse=True``, fp8 descales) are refused,
-never computed as something else; every keyword at its default is accepted.
+keywords SGLang passes with non-default values (fp8 descales, ...) are refused, never computed
+as something else; every keyword at its default is accepted, and ``return_lse=True`` returns
+``(output, lse)``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import pytest
 import torch
 from real_sglang import (
     DROPIN,
+    HKV,
+    HQ,
     NEW_HOOKS,
+    D,
     Engine,
     EngineRunner,
     Pools,
@@ -207,7 +211,8 @@ def test_tree_speculation_is_refused_at_start_up(algorithm, topk):
 
 def test_forward_keywords(engine):
     """Every keyword SGLang's FA3 backend takes is accepted at its default and changes nothing;
-    ``return_lse=True`` (or any other non-default) is refused."""
+    ``return_lse=True`` returns ``(output, lse)`` as SGLang's FA3 backend does (lse ``[T, Hq]``,
+    natural log); any other non-default (fp8 descales, ...) is refused."""
     from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend
 
     e, req = engine
@@ -221,9 +226,18 @@ def test_forward_keywords(engine):
     qkv = random_qkv(1, torch.bfloat16, e.gen)
     plain = e.dropin.forward(*qkv, layer, fb)
     assert torch.equal(e.dropin.forward(*qkv, layer, fb, **defaults), plain)
-    for kwargs in ({"return_lse": True}, {"q_descale": torch.ones(1)}):
-        with pytest.raises(UnsupportedConfigError, match=next(iter(kwargs))):
-            e.dropin.forward(*qkv, layer, fb, **kwargs)
+    out, lse = e.dropin.forward(*qkv, layer, fb, return_lse=True)
+    torch.testing.assert_close(out.view(plain.shape), plain, atol=0, rtol=0)
+    assert lse.shape == (1, HQ)
+    assert lse.dtype == torch.float32
+    # float64: the decode row sees every key of its request (layer 0: plain GQA).
+    slots = e.pools.req_to_token_pool.req_to_token[fb.req_pool_indices[0], : int(fb.seq_lens[0])]
+    keys = e.pools.kv_pool.get_key_buffer(0)[slots.long()].double()
+    keys = keys.repeat_interleave(HQ // HKV, dim=1)  # (S, Hq, D)
+    scores = torch.einsum("hd,shd->hs", qkv[0].double().view(HQ, D), keys) * layer.scaling
+    torch.testing.assert_close(lse[0].double(), torch.logsumexp(scores, -1), atol=2e-3, rtol=0)
+    with pytest.raises(UnsupportedConfigError, match="q_descale"):
+        e.dropin.forward(*qkv, layer, fb, q_descale=torch.ones(1))
 
 
 def test_registry_creates_the_dropin():
