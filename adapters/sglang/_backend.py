@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,10 +44,6 @@ __all__ = ["SEQ_LEN_FILL_VALUE", "SGLANG_VERSIONS", "SGLangAttentionBackendImpl"
 
 SGLANG_VERSIONS = EngineVersions("sglang", ("0.5.12.post1", "0.5.23"))
 """The SGLang releases the engine tier (``make test-engines``) runs the drop-in in."""
-
-Output: TypeAlias = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-"""What the forward methods return: the output, or ``(output, lse)`` when SGLang asks for the
-log-sum-exp."""
 
 
 class SGLangAttentionBackendImpl(SGLangGraphHooks):
@@ -119,7 +115,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs: Any,
-    ) -> Output:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, Hq*D]``, k/v ``[T, Hkv*D|Dv]`` (or None) → ``[T, Hq*Dv]`` in q's dtype; with
         ``return_lse=True`` (or ``forward_batch.mha_return_lse``) ``(output, lse)`` as SGLang's
         FA3 backend returns them, lse ``[T, Hq]`` fp32 (natural log, ``forward(lse=)``).
@@ -143,7 +139,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs: Any,
-    ) -> Output:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Extend, mixed, verify and draft-extend steps; one attnsdk call serves them all."""
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
@@ -156,7 +152,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs: Any,
-    ) -> Output:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode steps."""
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
@@ -171,7 +167,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         fb: ForwardBatch,
         save_kv_cache: bool,
         kwargs: dict[str, Any],
-    ) -> Output:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         sinks = kwargs.pop("sinks", None)
         want_lse = _wants_lse(fb, kwargs)
         kwargs.pop("return_lse", None)
