@@ -66,7 +66,9 @@ class DebugBackend:
         self.inner = backend
         self.name = backend.name
         self.capabilities = backend.capabilities
-        self._validated: tuple[int, int, int | None] | None = None
+        self._validated: tuple[Plan, int, int | None, int | None] | None = None
+        """(plan, cache pages, window, chunk) of the last validation: the plan itself, not its
+        id, which a new plan may reuse once the old one is freed."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -111,10 +113,16 @@ class DebugBackend:
             return self.inner.forward(q, k, v, cache, plan, layer, **kwargs, **extra)
         check_forward_args(q, k, v, cache, plan, layer, lse=lse, **kwargs)
         meta = plan.metadata
-        key = (id(plan), cache.num_pages, layer.sliding_window)
-        if key != self._validated:
-            validate_metadata(meta, cache, sliding_window=layer.sliding_window)
-            self._validated = key
+        last = self._validated
+        seen = (cache.num_pages, layer.sliding_window, layer.attention_chunk_size)
+        if last is None or last[0] is not plan or last[1:] != seen:
+            validate_metadata(
+                meta,
+                cache,
+                sliding_window=layer.sliding_window,
+                attention_chunk_size=layer.attention_chunk_size,
+            )
+            self._validated = (plan, *seen)
         rows = int(meta.query_start_loc_cpu[-1])
         for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
             if t is not None:

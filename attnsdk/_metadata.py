@@ -202,18 +202,22 @@ class AttentionMetadata:
         *,
         reserved_page: int | None = 0,
         sliding_window: int | None = None,
+        attention_chunk_size: int | None = None,
     ) -> AttentionMetadata:
         """Check every invariant (may sync the device); raise ``InvalidMetadataError`` on the first.
 
         Given a ``KVCache`` it also checks every page index against the cache's page count.
         ``reserved_page`` (page 0, SGLang's padding page and vLLM's null block) may be read only
         by padding rows, which read and write nothing else; None skips that check. With the
-        layer's ``sliding_window``, pages wholly below every query's window count as unread (vLLM
-        frees them and puts its null block there). Returns ``self`` so it can be chained.
+        layer's ``sliding_window`` or ``attention_chunk_size``, pages wholly below every query's
+        window, or before the chunk of a row's first query, count as unread (vLLM frees them and
+        puts its null block there). Returns ``self`` so it can be chained.
         """
         from attnsdk._validate import validate_metadata
 
-        validate_metadata(self, layout_or_cache, reserved_page, sliding_window)
+        validate_metadata(
+            self, layout_or_cache, reserved_page, sliding_window, attention_chunk_size
+        )
         return self
 
 

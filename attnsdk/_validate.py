@@ -108,11 +108,13 @@ def validate_metadata(
     layout_or_cache: KVCacheLayout | KVCache | int,
     reserved_page: int | None = 0,
     sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> None:
     """Every invariant of ``meta`` for a cache layout, a cache (page ids checked against its
-    size too) or a bare page size. May sync the device. ``sliding_window``: pages wholly below
-    every query's window are not read, so an engine may have freed them (vLLM puts its null
-    block there)."""
+    size too) or a bare page size. May sync the device. ``sliding_window`` /
+    ``attention_chunk_size``: pages wholly below every query's window, or before the chunk of a
+    row's first query, are not read, so an engine may have freed them (vLLM puts its null block
+    there)."""
     if isinstance(layout_or_cache, KVCache):
         page_size, num_pages = layout_or_cache.layout.page_size, layout_or_cache.num_pages
         cache_device: torch.device | None = layout_or_cache.device
@@ -137,8 +139,8 @@ def validate_metadata(
 
     slots = meta.slot_mapping.to(_CPU)
     if reserved_page is not None:
-        if sliding_window is not None:
-            used = used & _in_window(meta, pt.shape[1], page_size, sliding_window)
+        if sliding_window is not None or attention_chunk_size is not None:
+            used = used & _read(meta, pt.shape[1], page_size, sliding_window, attention_chunk_size)
         _check_reserved_page(meta, pt, used, slots, reserved_page, page_size)
     _first_bad(
         "slot_mapping",
@@ -226,12 +228,19 @@ def check_pages(
     return pt, used
 
 
-def _in_window(meta: AttentionMetadata, width: int, page_size: int, window: int) -> torch.Tensor:
-    """(B, width) mask of the pages some query of each row can see under a window of ``window``
-    keys: the first query (position seq_len - query_len) sees keys from position - window + 1."""
+def _read(
+    meta: AttentionMetadata, width: int, page_size: int, window: int | None, chunk: int | None
+) -> torch.Tensor:
+    """(B, width) mask of the pages some query of each row can see: none before the first key
+    its first query (position seq_len - query_len) sees, which a window of ``window`` keys puts
+    at position - window + 1 and a chunk of ``chunk`` tokens at the start of that chunk."""
     seq = meta.seq_lens_cpu.long()
-    qlen = meta.query_lens_cpu.long()
-    first_key = (seq - qlen - window + 1).clamp(min=0)
+    first = seq - meta.query_lens_cpu.long()
+    first_key = torch.zeros_like(first)
+    if window is not None:
+        first_key = torch.maximum(first_key, first - window + 1)
+    if chunk is not None:
+        first_key = torch.maximum(first_key, first.clamp(min=0) // chunk * chunk)
     return torch.arange(width) >= (first_key // page_size)[:, None]
 
 

@@ -369,3 +369,39 @@ def test_validate_reserved_page_below_a_sliding_window() -> None:
     # A window of 6 reaches back to key 7, on page 1: the null block there is read.
     with raises_field("page_table[0, 1]"):
         meta.validate(CACHE, sliding_window=6)
+
+
+def test_validate_reserved_page_before_the_chunk_of_the_first_query() -> None:
+    """Pages wholly before the chunk of a row's first query are not read by a chunked layer:
+    an engine may free them (null block 0 there), and validate accepts them with the layer's
+    attention_chunk_size."""
+    # Decode at position 12 (page size 4), chunks of 8: it sees keys 8..12, pages 2 and 3.
+    meta = AttentionMetadata.from_seqlens([1], [13], [[0, 0, 5, 6]], page_size=PAGE)
+    assert meta.validate(CACHE, attention_chunk_size=8) is meta
+    # Chunks of 16: keys 0..12 are read, the null block on pages 0 and 1 too.
+    with raises_field("page_table[0, 0]"):
+        meta.validate(CACHE, attention_chunk_size=16)
+    # An extend of positions 6..12 starts in chunk 0 (keys 0..7): pages 0 and 1 are read.
+    extend = AttentionMetadata.from_seqlens([7], [13], [[0, 0, 5, 6]], page_size=PAGE)
+    with raises_field("page_table[0, 0]"):
+        extend.validate(CACHE, attention_chunk_size=8)
+    # With both, the later first key wins: a window of 3 from position 12 starts at key 10.
+    assert meta.validate(CACHE, sliding_window=3, attention_chunk_size=16) is meta
+
+
+def test_debug_mode_validates_a_chunked_layer_with_its_chunk_size() -> None:
+    """Debug mode validates each forward with the layer's chunk size: a chunked decode whose
+    past chunk's pages an engine freed (null block 0) is served; a global layer reading the same
+    table is refused."""
+    from attnsdk._debug import wrap_debug
+    from attnsdk.backends.reference import ReferenceBackend
+
+    debug = wrap_debug(ReferenceBackend())
+    cache = KVCacheLayout(2, 16, PAGE, dtype=torch.float32).allocate(8)
+    meta = AttentionMetadata.from_seqlens([1], [13], [[0, 0, 5, 6]], page_size=PAGE)
+    q = torch.randn(1, 4, 16)
+    chunked = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, attention_chunk_size=8)
+    out = debug.forward(q, None, None, cache, debug.plan(meta), chunked)
+    assert bool(torch.isfinite(out).all())
+    with raises_field("page_table[0, 0]"):
+        debug.forward(q, None, None, cache, debug.plan(meta), LayerSpec(4, 2, 16))
