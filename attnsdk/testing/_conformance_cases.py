@@ -49,6 +49,7 @@ FEATURES: dict[str, FeatureCase] = {
     "noncausal-window": FeatureCase({**_GQA, "causal": False, "sliding_window": 9}),
     "softcap": FeatureCase({**_GQA, "softcap": 2.0}),
     "sinks": FeatureCase({**_GQA, "has_sinks": True}),
+    "sinks-window": FeatureCase({**_GQA, "has_sinks": True, "sliding_window": 9}),
     "v-head-dim": FeatureCase({**_GQA, "head_dim": 192, "v_head_dim": 128}),
     "fp8-e4m3": FeatureCase(_GQA, kv_dtype=_E4M3),
     "fp8-e4m3-per-head": FeatureCase(_GQA, kv_dtype=_E4M3, per_head_scales=True),
