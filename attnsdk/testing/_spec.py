@@ -162,6 +162,31 @@ class BatchSpec:
         return cls(tuple(q for q, _ in rows), tuple(s for _, s in rows), "chunk_edges")
 
     @classmethod
+    def random(
+        cls,
+        seed: int | random.Random = 0,
+        *,
+        max_batch: int = 7,
+        max_context: int = 300,
+        max_query: int = 70,
+    ) -> BatchSpec:
+        """1 to ``max_batch`` rows of random kinds in random order: decodes (twice as likely),
+        extends and prefills of up to ``max_query`` tokens, empty rows with and without a
+        context of up to ``max_context`` tokens; never all empty. ``seed`` may be a
+        ``random.Random`` to draw several batches from one stream."""
+        r = seed if isinstance(seed, random.Random) else random.Random(seed)
+        q, s = [], []
+        for _ in range(r.randint(1, max_batch)):
+            kind = r.choice(["decode", "decode", "extend", "prefill", "empty", "empty_ctx"])
+            ctx = {"prefill": 0, "empty": 0}.get(kind, r.randint(1, max_context))
+            qi = {"decode": 1, "empty": 0, "empty_ctx": 0}.get(kind) or r.randint(2, max_query)
+            q.append(qi)
+            s.append(ctx + qi)
+        if sum(q) == 0:
+            q[0], s[0] = 1, s[0] + 1
+        return cls(tuple(q), tuple(s), "random")
+
+    @classmethod
     def presets(cls, seed: int = 0) -> dict[str, BatchSpec]:
         """Every named preset at its default size."""
         return {

@@ -414,19 +414,6 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> CPUFlashInfer:
     return CPUFlashInfer()
 
 
-def random_spec(r: random.Random) -> BatchSpec:
-    q, s = [], []
-    for _ in range(r.randint(1, 6)):
-        kind = r.choice(["decode", "decode", "extend", "prefill", "empty", "empty_ctx"])
-        ctx = {"prefill": 0, "empty": 0}.get(kind, r.randint(1, 90))
-        qi = {"decode": 1, "empty": 0, "empty_ctx": 0}.get(kind) or r.randint(2, 20)
-        q.append(qi)
-        s.append(ctx + qi)
-    if sum(q) == 0:
-        q[0], s[0] = 1, s[0] + 1
-    return BatchSpec(tuple(q), tuple(s), "random")
-
-
 def specs(seed: int) -> list[BatchSpec]:
     r = random.Random(seed)
     return [
@@ -435,7 +422,7 @@ def specs(seed: int) -> list[BatchSpec]:
         BatchSpec.chunked_prefill(batch_size=3, seed=seed),
         BatchSpec.mixed(batch_size=4, max_len=40, seed=seed),
         BatchSpec.decode(batch_size=3, seed=seed).with_padding(rows=2),
-        *(random_spec(r) for _ in range(3)),
+        *(BatchSpec.random(r, max_batch=6, max_context=90, max_query=20) for _ in range(3)),
     ]
 
 

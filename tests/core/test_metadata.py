@@ -405,3 +405,20 @@ def test_debug_mode_validates_a_chunked_layer_with_its_chunk_size() -> None:
     assert bool(torch.isfinite(out).all())
     with raises_field("page_table[0, 0]"):
         debug.forward(q, None, None, cache, debug.plan(meta), LayerSpec(4, 2, 16))
+
+
+def test_random_batch_spec_bounds_and_stream() -> None:
+    """BatchSpec.random: rows within the bounds, never all empty, the same batches for the same
+    seed, and a shared random.Random stream draws different ones."""
+    import random
+
+    for seed in range(200):
+        spec = BatchSpec.random(seed, max_batch=5, max_context=40, max_query=9)
+        assert 1 <= spec.num_seqs <= 5
+        assert spec.num_tokens > 0
+        assert all(q <= 9 for q in spec.query_lens)
+        assert all(s - q <= 40 for q, s in zip(spec.query_lens, spec.seq_lens))
+    assert BatchSpec.random(3) == BatchSpec.random(3)
+    stream = random.Random(3)
+    assert BatchSpec.random(stream) == BatchSpec.random(3)
+    assert BatchSpec.random(stream) != BatchSpec.random(3)

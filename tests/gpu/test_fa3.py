@@ -33,20 +33,6 @@ def ref() -> A.Backend:
     return ReferenceBackend()
 
 
-def random_spec(r: random.Random, max_batch: int = 7, max_ctx: int = 300) -> BatchSpec:
-    """Rows of every kind in random order, contexts that cross many pages."""
-    q, s = [], []
-    for _ in range(r.randint(1, max_batch)):
-        kind = r.choice(["decode", "decode", "extend", "prefill", "empty", "empty_ctx"])
-        ctx = {"prefill": 0, "empty": 0}.get(kind, r.randint(1, max_ctx))
-        qi = {"decode": 1, "empty": 0, "empty_ctx": 0}.get(kind) or r.randint(2, 70)
-        q.append(qi)
-        s.append(ctx + qi)
-    if sum(q) == 0:
-        q[0], s[0] = 1, s[0] + 1
-    return BatchSpec(tuple(q), tuple(s), "random")
-
-
 def specs(seed: int) -> list[BatchSpec]:
     r = random.Random(seed)
     return [
@@ -58,7 +44,7 @@ def specs(seed: int) -> list[BatchSpec]:
         BatchSpec.with_empty_rows(seed=seed),
         BatchSpec.decode(batch_size=3, seed=seed).with_padding(rows=2),
         BatchSpec.mixed(batch_size=4, seed=seed).with_padding(rows=1, query_len=3),
-        *(random_spec(r) for _ in range(4)),
+        *(BatchSpec.random(r) for _ in range(4)),
     ]
 
 
