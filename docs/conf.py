@@ -45,7 +45,7 @@ autodoc_preserve_defaults = True
 nitpick_ignore_regex = [
     (
         "py:.*",
-        r"(os|collections|typing|enum|torch|pydantic|annotated_types|hypothesis|_pytest|pytest)\..*",
+        r"(os|collections|random|typing|enum|torch|pydantic|annotated_types|hypothesis|_pytest|pytest)\..*",
     ),
     ("py:.*", r"BaseModel|SerializeAsAny|Factory|ForwardBatch|ModelRunner|RadixAttention"),
     ("py:.*", r"attnsdk\..*\._\w+"),
