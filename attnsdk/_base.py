@@ -314,7 +314,7 @@ class BackendBase(GraphHooks):
         """Write rows ``0..num_tokens-1`` of k / v at the plan's slots (negative: skip).
 
         Default: ``KVCache.store`` (portable, checks every slot, syncs). GPU backends use the
-        sync-free Triton store (``attnsdk.backends._gpu.DeviceKVStore``).
+        sync-free Triton store (``attnsdk.backends._gpu.DeviceStoreBackend``).
         """
         meta = plan.metadata
         t = meta.num_tokens

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import attnsdk._capabilities as caps_module
-from attnsdk._base import BackendBase
 from attnsdk.backends import fa3
 from attnsdk.backends.fa3 import FA3Backend
 
@@ -77,16 +76,8 @@ class FakeKernel:
                 kw["lse"][q0:q1] = torch.logsumexp(s, -1).t()
 
 
-class _HostStore:
-    def poll(self, device: torch.device) -> None:
-        pass
-
-    def check_now(self, device: torch.device) -> None:
-        pass
-
-
 class CPUFA3(FA3Backend):
-    """The backend on the CPU: the fake kernel and the portable KV store."""
+    """The backend on the CPU (its store then takes ``KVCache.store``), over the fake kernel."""
 
     capabilities = dataclasses.replace(
         FA3Backend.capabilities,
@@ -94,13 +85,6 @@ class CPUFA3(FA3Backend):
         min_compute_capability=None,
         max_compute_capability=None,
     )
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._store = _HostStore()  # type: ignore[assignment]
-
-    def store(self, k, v, cache, plan, state, *, k_scale, v_scale) -> None:  # type: ignore[no-untyped-def,override]
-        BackendBase.store(self, k, v, cache, plan, state, k_scale=k_scale, v_scale=v_scale)
 
 
 def fake_fa3(mp: pytest.MonkeyPatch) -> FakeKernel:

@@ -7,6 +7,9 @@
   from every plan) reads back without a sync.
 - ``DeviceKVStore``: writes new K/V with one Triton launch (``_triton_store``), quantising when
   the cache stores fp8, and reports slots past the cache through a per-device ``DeviceFlag``.
+- ``DeviceStoreBackend``: the ``BackendBase`` the GPU backends subclass: the Triton store on
+  CUDA (``KVCache.store`` elsewhere), its flag polled from every plan and replay and checked at
+  once by ``sync_check`` (debug mode).
 """
 
 from __future__ import annotations
@@ -17,15 +20,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnsdk._base import BackendBase
 from attnsdk._errors import InvalidMetadataError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
+    from pydantic import BaseModel
+
+    from attnsdk._backend import Plan
     from attnsdk._kv import KVCache
     from attnsdk._metadata import AttentionMetadata
 
-__all__ = ["DeviceFlag", "DeviceKVStore", "first_present", "module_present"]
+__all__ = ["DeviceFlag", "DeviceKVStore", "DeviceStoreBackend", "first_present", "module_present"]
 
 _FP8_MAX = {
     torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),
@@ -156,3 +163,49 @@ class DeviceKVStore:
             fp8_max=_FP8_MAX.get(layout.storage_dtype, 0.0),
             bad_slot=self.guard(cache.device).flag,
         )
+
+
+class DeviceStoreBackend(BackendBase):
+    """A ``BackendBase`` whose new K/V go through ``DeviceKVStore`` on CUDA (no sync; slots past
+    the cache are skipped and reported) and through ``KVCache.store`` on other devices."""
+
+    __abstract__ = True
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        super().__init__(options)
+        self._store = DeviceKVStore()
+
+    def poll(self, device: torch.device) -> None:
+        """Report, without a sync, what device code recorded in earlier steps; ``plan`` and
+        ``plan_for_replay`` call it. A backend with device flags of its own extends it."""
+        if device.type == "cuda":
+            self._store.poll(device)
+
+    def sync_check(self, device: torch.device) -> None:
+        """Raise now, with a device sync, what the KV store recorded (debug mode calls it)."""
+        if device.type == "cuda":
+            self._store.check_now(device)
+
+    def plan(self, meta: AttentionMetadata) -> Plan:
+        self.poll(meta.device)
+        return super().plan(meta)
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        super().plan_for_replay(plan, meta)
+        self.poll(meta.device)
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        plan: Plan,
+        state: object,
+        *,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> None:
+        if cache.device.type == "cuda":
+            self._store(k, v, cache, plan.metadata, k_scale=k_scale, v_scale=v_scale)
+        else:
+            super().store(k, v, cache, plan, state, k_scale=k_scale, v_scale=v_scale)

@@ -31,7 +31,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from attnsdk._backend import Plan
-from attnsdk._base import BackendBase
 from attnsdk._capabilities import (
     Capabilities,
     Feature,
@@ -50,7 +49,7 @@ from attnsdk.backends._fa3_kernels import (
     find_provider,
     load_kernel,
 )
-from attnsdk.backends._gpu import DeviceKVStore
+from attnsdk.backends._gpu import DeviceStoreBackend
 
 if TYPE_CHECKING:
     from attnsdk._graph import GraphBuffers
@@ -113,7 +112,7 @@ class _Static:
     """What FA3's scheduler metadata depends on besides the batch."""
 
 
-class FA3Backend(BackendBase):
+class FA3Backend(DeviceStoreBackend):
     """FlashAttention-3 on Hopper. See the module docstring."""
 
     name = "fa3"
@@ -137,7 +136,6 @@ class FA3Backend(BackendBase):
     def __init__(self, options: FA3Options | None = None) -> None:
         super().__init__(options)
         self._kernel: KernelCall = load_kernel(self.options.provider)
-        self._store = DeviceKVStore()
         wanted = self.options.precompute_scheduler
         self._precompute = self._kernel.scheduler is not None and wanted is not False
         if wanted and self._kernel.scheduler is None:
@@ -218,7 +216,6 @@ class FA3Backend(BackendBase):
 
     def make_plan(self, meta: AttentionMetadata) -> FA3Plan:
         # FA3 reads the metadata tensors as they are; only chunked layers need another batch.
-        self._store.poll(meta.device)
         plan = FA3Plan(meta)
         for chunk, page_size in prepared_chunks(self.prepared, meta):
             plan.virtual[(chunk, page_size)] = virtual_metadata(meta, chunk, page_size)
@@ -239,28 +236,7 @@ class FA3Backend(BackendBase):
             check_capture(plan.metadata)
         return plan
 
-    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
-        super().plan_for_replay(plan, meta)
-        self._store.poll(meta.device)
-
-    def sync_check(self, device: torch.device) -> None:
-        """Raise now, with a device sync, what the KV store recorded (debug mode calls it)."""
-        self._store.check_now(device)
-
     # -- per layer --------------------------------------------------------------------------
-
-    def store(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: KVCache,
-        plan: Plan,
-        state: _Static,
-        *,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-    ) -> None:
-        self._store(k, v, cache, plan.metadata, k_scale=k_scale, v_scale=v_scale)
 
     def attend(
         self,

@@ -43,7 +43,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from attnsdk._backend import Plan
-from attnsdk._base import BackendBase
 from attnsdk._capabilities import (
     Capabilities,
     Feature,
@@ -57,7 +56,7 @@ from attnsdk._errors import BackendUnavailableError, InvalidInputError
 from attnsdk._graph import GraphBuffers
 from attnsdk._kv import KVOrder
 from attnsdk.backends._flashinfer_csr import PagedCSR, build_csr, gather_indices
-from attnsdk.backends._gpu import DeviceKVStore, module_present
+from attnsdk.backends._gpu import DeviceStoreBackend, module_present
 
 if TYPE_CHECKING:
     from attnsdk._kv import KVCache, KVCacheLayout
@@ -197,7 +196,7 @@ class FlashInferGraphState(GraphBuffers):
 # -- the backend --------------------------------------------------------------------------------
 
 
-class FlashInferBackend(BackendBase):
+class FlashInferBackend(DeviceStoreBackend):
     """FlashInfer's paged prefill and tensor-core decode wrappers. See the module docstring."""
 
     name = "flashinfer"
@@ -226,7 +225,6 @@ class FlashInferBackend(BackendBase):
                 INSTALL_COMMAND,
             )
         self._fi: Any = importlib.import_module("flashinfer")
-        self._store = DeviceKVStore()
         self._workspaces: dict[torch.device, torch.Tensor] = {}
         self._wrappers: dict[tuple[Kind, _Variant], Any] = {}
         self._owner: dict[int, FlashInferPlan] = {}
@@ -360,7 +358,6 @@ class FlashInferBackend(BackendBase):
     # -- per step ---------------------------------------------------------------------------
 
     def make_plan(self, meta: AttentionMetadata) -> FlashInferPlan:
-        self._store.poll(meta.device)
         plan = FlashInferPlan(meta)
         for variant in self._variants(meta):
             self._plan_variant(plan, variant)
@@ -424,15 +421,10 @@ class FlashInferBackend(BackendBase):
         FlashInfer ``plan()`` per variant, which writes into the wrapper's fixed buffers)."""
         super().plan_for_replay(plan, meta)  # refuses any plan but a captured FlashInferPlan
         captured = cast("FlashInferPlan", plan)
-        self._store.poll(meta.device)
         captured.csr.clear()
         captured.virtual.clear()
         for variant in list(captured.wrappers):
             self._plan_variant(captured, variant)
-
-    def sync_check(self, device: torch.device) -> None:
-        """Raise now, with a device sync, what the KV store recorded (debug mode calls it)."""
-        self._store.check_now(device)
 
     def _kind(self, plan: FlashInferPlan, variant: _Variant) -> Kind:
         meta = plan.metadata
@@ -611,19 +603,6 @@ class FlashInferBackend(BackendBase):
         return fi.BatchPrefillWithPagedKVCacheWrapper(ws, v.order, backend=backend, **graph_kw)
 
     # -- per layer --------------------------------------------------------------------------
-
-    def store(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: KVCache,
-        plan: Plan,
-        state: _Variant,
-        *,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-    ) -> None:
-        self._store(k, v, cache, plan.metadata, k_scale=k_scale, v_scale=v_scale)
 
     def attend(
         self,

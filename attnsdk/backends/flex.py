@@ -62,12 +62,11 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from attnsdk._backend import Plan
-from attnsdk._base import BackendBase
 from attnsdk._capabilities import Capabilities, Feature, GraphSupport, Reason, ReasonKind
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._kv import KVOrder
 from attnsdk._validate import check_pages
-from attnsdk.backends._gpu import DeviceFlag, DeviceKVStore
+from attnsdk.backends._gpu import DeviceFlag, DeviceStoreBackend
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -149,7 +148,7 @@ class CompileRecord:
     seconds: float
 
 
-class FlexBackend(BackendBase):
+class FlexBackend(DeviceStoreBackend):
     """Paged attention on torch FlexAttention. See the module docstring."""
 
     name = "flex"
@@ -172,7 +171,6 @@ class FlexBackend(BackendBase):
 
     def __init__(self, options: FlexOptions | None = None) -> None:
         super().__init__(options)
-        self._store = DeviceKVStore()
         self._page_flags: dict[torch.device, DeviceFlag] = {}
         self._functions: dict[tuple[object, ...], Callable[..., _Result]] = {}
         self._buckets: set[tuple[object, ...]] = set()
@@ -260,23 +258,17 @@ class FlexBackend(BackendBase):
 
     # -- per step ---------------------------------------------------------------------------
 
-    def make_plan(self, meta: AttentionMetadata) -> FlexPlan:
-        if meta.device.type == "cuda":
-            self._store.poll(meta.device)
-            self._page_flag(meta.device).poll()
-        return FlexPlan(meta)
-
-    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
-        super().plan_for_replay(plan, meta)
-        if meta.device.type == "cuda":
-            self._store.poll(meta.device)
-            self._page_flag(meta.device).poll()
+    def poll(self, device: torch.device) -> None:
+        """The KV store's flag, then the page check's (``_build_mask``)."""
+        super().poll(device)
+        if device.type == "cuda":
+            self._page_flag(device).poll()
 
     def sync_check(self, device: torch.device) -> None:
         """Raise now, with a device sync, what the KV store or the page check recorded (debug
         mode calls it)."""
+        super().sync_check(device)
         if device.type == "cuda":
-            self._store.check_now(device)
             self._page_flag(device).check_now()
 
     def _page_flag(self, device: torch.device) -> DeviceFlag:
@@ -298,22 +290,6 @@ class FlexBackend(BackendBase):
             _check_shared_pages(plan.metadata, cache.layout.page_size, cache.num_pages)
 
     # -- per layer --------------------------------------------------------------------------
-
-    def store(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: KVCache,
-        plan: Plan,
-        state: _Static,
-        *,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-    ) -> None:
-        if cache.device.type == "cuda":
-            self._store(k, v, cache, plan.metadata, k_scale=k_scale, v_scale=v_scale)
-        else:
-            super().store(k, v, cache, plan, state, k_scale=k_scale, v_scale=v_scale)
 
     def attend(
         self,

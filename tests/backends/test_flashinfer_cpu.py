@@ -24,7 +24,6 @@ from pydantic import ValidationError
 
 import attnsdk as A
 import attnsdk._capabilities as caps_module
-from attnsdk._base import BackendBase
 from attnsdk.backends import flashinfer as fi_module
 from attnsdk.backends.flashinfer import (
     FlashInferBackend,
@@ -383,27 +382,12 @@ def fake_flashinfer() -> types.ModuleType:
     return mod
 
 
-class _HostStore:
-    def poll(self, device: torch.device) -> None:
-        pass
-
-    def check_now(self, device: torch.device) -> None:
-        pass
-
-
 class CPUFlashInfer(FlashInferBackend):
-    """The backend on the CPU: the fake kernels and the portable KV store."""
+    """The backend on the CPU (its store then takes ``KVCache.store``), over the fake kernels."""
 
     capabilities = dataclasses.replace(
         FlashInferBackend.capabilities, devices=frozenset({"cpu"}), min_compute_capability=None
     )
-
-    def __init__(self, options: FlashInferOptions | None = None) -> None:
-        super().__init__(options)
-        self._store = _HostStore()  # type: ignore[assignment]
-
-    def store(self, k, v, cache, plan, state, *, k_scale, v_scale) -> None:  # type: ignore[no-untyped-def,override]
-        BackendBase.store(self, k, v, cache, plan, state, k_scale=k_scale, v_scale=v_scale)
 
 
 @pytest.fixture
