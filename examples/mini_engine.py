@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import attnsdk as A
+from attnsdk.integrations.transformers import layer_spec
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -200,32 +201,15 @@ def attention(
         raise _refuse("query", f"must be one packed batch row, found B={query.shape[0]}")
     if attention_mask is not None:
         raise _refuse("attention_mask", "must be None (masking comes from the metadata)")
-    if dropout:
-        raise _refuse("dropout", f"must be 0 (call model.eval()), found {dropout}")
-    for name in ("position_bias", "head_mask"):
-        if kwargs.get(name) is not None:
-            raise _refuse(name, "is not supported by attnsdk")
     layer_idx = getattr(module, "layer_idx", None)
     if not isinstance(layer_idx, int):
         raise _refuse("layer_idx", f"must be the module's layer index, found {layer_idx!r}")
-    _, hq, t, d = query.shape
-    hkv, dv = key.shape[1], value.shape[-1]
+    # Causality, window, softcap, sinks and chunks as the integration maps them.
+    layer = layer_spec(module, query, key, value, scaling, dropout, **kwargs)
     sinks = kwargs.get("s_aux")
-    is_causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
-    layer = A.LayerSpec(
-        num_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        v_head_dim=dv if dv != d else None,
-        scale=scaling,
-        causal=bool(is_causal),
-        sliding_window=kwargs.get("sliding_window"),
-        softcap=kwargs.get("softcap"),
-        has_sinks=sinks is not None,
-    )
     if attnsdk_step.plan is None:  # the shape probe
         attnsdk_step.layers[layer_idx] = layer
-        return query.new_zeros(1, t, hq, dv), None
+        return query.new_zeros(1, query.shape[2], layer.num_heads, layer.v_dim), None
     if not 0 <= layer_idx < len(attnsdk_step.caches):
         raise _refuse("layer_idx", f"must index one of {len(attnsdk_step.caches)} caches")
     out = attnsdk_step.backend.forward(

@@ -93,3 +93,38 @@ def test_allocator_keeps_page_zero(mini_engine: Any) -> None:
         alloc.allocate(1)
     alloc.release(pages)
     assert alloc.num_free == 3
+
+
+def test_llama4_chunked_layers_equal_hf_generate(mini_engine: Any) -> None:
+    """Llama 4's chunked layers reach the engine as ``attention_chunk_size`` (through the
+    integration's ``layer_spec``): prompts longer than a chunk decode as HF ``generate`` does."""
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        attention_chunk_size=8,
+        num_local_experts=2,
+        eos_token_id=None,
+    )
+    eager = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    model.load_state_dict(eager.state_dict())
+    engine = mini_engine.MiniEngine(
+        model, A.create_backend("reference"), num_pages=48, page_size=4, token_budget=32
+    )
+    assert [s.attention_chunk_size for s in engine.layers] == [8, 8, 8, None]
+    prompts = [torch.randint(1, 128, (n,)).tolist() for n in (19, 5)]
+    requests = [mini_engine.Request(i, p, 10) for i, p in enumerate(prompts)]
+    engine.run({0: requests})
+    for req in requests:
+        ids = torch.tensor([req.prompt])
+        out = eager.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert req.output == out[0, len(req.prompt) :].tolist(), f"request {req.rid}"

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from attnsdk._backend import Backend
     from attnsdk._config import AttentionConfig
 
-__all__ = ["register"]
+__all__ = ["layer_spec", "register"]
 
 PAGE_SIZE = 16
 """Tokens per page of the scratch cache."""
@@ -129,37 +129,9 @@ class _AttentionFunction:
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        if dropout:
-            raise UnsupportedConfigError(
-                "attnsdk serves inference only:",
-                [_reason("dropout", f"must be 0 (call model.eval()), found {dropout}")],
-            )
-        for arg in ("position_bias", "head_mask"):
-            if kwargs.get(arg) is not None:
-                raise UnsupportedConfigError(
-                    "attnsdk cannot serve this attention call:",
-                    [_reason(arg, "is not supported; use attn_implementation='eager'")],
-                )
-        b, hq, sq, d = query.shape
-        if key.dim() != 4 or key.shape[0] != b or value.shape[:3] != key.shape[:3]:
-            raise InvalidInputError(
-                "key/value", f"[B={b}, Hkv, Sk, D] tensors", (tuple(key.shape), tuple(value.shape))
-            )
-        hkv, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
-        is_causal = kwargs.get("is_causal")
+        layer = layer_spec(module, query, key, value, scaling, dropout, **kwargs)
+        b, sq, sk = query.shape[0], query.shape[2], key.shape[2]
         sinks = kwargs.get("s_aux")
-        layer = LayerSpec(
-            num_heads=hq,
-            num_kv_heads=hkv,
-            head_dim=d,
-            v_head_dim=dv if dv != d else None,
-            scale=scaling,
-            causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
-            sliding_window=kwargs.get("sliding_window"),
-            softcap=kwargs.get("softcap"),
-            has_sinks=sinks is not None,
-            attention_chunk_size=_chunk_size(module),
-        )
         segments = _segments(attention_mask, layer, b, sq, sk, getattr(module, "layer_idx", None))
         return self._attend(query, key, value, layer, segments, sinks), None
 
@@ -239,6 +211,56 @@ class _AttentionFunction:
             if cache is None or cache.num_pages < num_pages:
                 cache = self._caches[slot] = layout.allocate(max(num_pages, 8), device=key.device)
             return cache
+
+
+def layer_spec(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> LayerSpec:
+    """The ``LayerSpec`` of one transformers attention call (its arguments as the model passes
+    them: query ``[B, Hq, Sq, D]``, key / value ``[B, Hkv, Sk, D|Dv]``).
+
+    Maps ``scaling``, causality (the call's ``is_causal``, else the module's), the Hugging Face
+    ``sliding_window``, ``softcap``, sinks (``s_aux``) and Llama 4's chunked layers. Raises
+    ``UnsupportedConfigError`` for what attnsdk does not compute (``dropout > 0``,
+    ``position_bias``, ``head_mask``). An engine that routes a model's attention through attnsdk
+    itself (examples/mini_engine.py) builds its layers with it too.
+    """
+    if dropout:
+        raise UnsupportedConfigError(
+            "attnsdk serves inference only:",
+            [_reason("dropout", f"must be 0 (call model.eval()), found {dropout}")],
+        )
+    for arg in ("position_bias", "head_mask"):
+        if kwargs.get(arg) is not None:
+            raise UnsupportedConfigError(
+                "attnsdk cannot serve this attention call:",
+                [_reason(arg, "is not supported; use attn_implementation='eager'")],
+            )
+    b, hq, _, d = query.shape
+    if key.dim() != 4 or key.shape[0] != b or value.shape[:3] != key.shape[:3]:
+        raise InvalidInputError(
+            "key/value", f"[B={b}, Hkv, Sk, D] tensors", (tuple(key.shape), tuple(value.shape))
+        )
+    hkv, dv = key.shape[1], value.shape[-1]
+    is_causal = kwargs.get("is_causal")
+    return LayerSpec(
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        v_head_dim=dv if dv != d else None,
+        scale=scaling,
+        causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        has_sinks=kwargs.get("s_aux") is not None,
+        attention_chunk_size=_chunk_size(module),
+    )
 
 
 def _reason(field: str, message: str) -> Reason:
