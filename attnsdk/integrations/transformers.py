@@ -172,11 +172,8 @@ class _AttentionFunction:
             page_size=PAGE_SIZE,
             device=device,
         )
-        rows = torch.tensor(
-            [s.b * sq + i for s in segments for i in range(s.q0, s.q1)],
-            dtype=torch.long,
-            device=device,
-        )
+        spans_of_rows = [torch.arange(s.b * sq + s.q0, s.b * sq + s.q1) for s in segments]
+        rows = torch.cat(spans_of_rows or [torch.empty(0, dtype=torch.long)]).to(device)
         q = query.transpose(1, 2).reshape(b * sq, hq, -1).index_select(0, rows)
         backend = self.backend(device)
         plan = backend.plan(meta)
@@ -339,7 +336,8 @@ def _segments(
     nothing.
     """
     if mask is not None:
-        allowed = _allowed(mask, b, sq, sk)
+        # One copy to the host: the row-by-row work below would otherwise sync once per row.
+        allowed = _allowed(mask, b, sq, sk).cpu()
     elif sq <= sk:  # the model built no mask: no padding, the layer's own pattern
         allowed = _pattern(layer, sq, sk, torch.device("cpu")).expand(b, sq, sk)
     elif not layer.causal and layer.sliding_window is None:
