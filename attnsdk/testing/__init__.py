@@ -6,6 +6,7 @@ extra).
 
 from attnsdk.testing._batch import Batch, PageOrder, assign_pages, make_batch
 from attnsdk.testing._spec import BatchSpec
+from attnsdk.testing._sync import forbid_device_sync
 from attnsdk.testing._tolerance import assert_close_to_reference, tolerance
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "PageOrder",
     "assert_close_to_reference",
     "assign_pages",
+    "forbid_device_sync",
     "make_batch",
     "tolerance",
 ]

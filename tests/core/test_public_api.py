@@ -54,6 +54,7 @@ TESTING_PUBLIC = [
     "PageOrder",
     "assert_close_to_reference",
     "assign_pages",
+    "forbid_device_sync",
     "make_batch",
     "tolerance",
 ]

@@ -5,12 +5,14 @@
 #   BENCH=1 bash tests/gpu/run_sharded.sh         # then attnsdk bench (decode, prefill, mixed)
 #   ENGINE=1 bash tests/gpu/run_sharded.sh        # then examples/mini_engine.py and the
 #                                                 # end-to-end benchmarks/bench_engine.py
+#   SHARDS="flex_lse models" bash tests/gpu/run_sharded.sh   # only the shards named
 #
 # Needs .gpu/site.tar.xz (../shared/gpu/stage-site.sh) and .gpu/flashinfer.tar.xz
 # (../shared/gpu/stage-flashinfer.sh), carried with `carry: [".gpu"]`. Logs and JSON go to $OUT.
 # Each shard is its own process: a CUDA error (an illegal address poisons the whole context)
-# fails one shard, not every test after it. FlashInfer variants JIT-compile on first use
-# (8-30 s each), which is why the flashinfer shards get the longest limit.
+# fails one shard, not every test after it. The shards run in parallel, each under LIMIT
+# seconds: FlashInfer variants JIT-compile on first use (8-30 s each) and flex compiles each
+# layer kind, so the slowest shards set the wall time (~4-7 min).
 set -u
 OUT=${OUT:-/tmp/attnsdk-gpu}
 mkdir -p "$OUT" /tmp/site /tmp/fi
@@ -21,19 +23,29 @@ export PYTHONPATH=/tmp/site:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws \
 python -m pip install -q --no-deps --no-build-isolation -e . || exit 9
 LIMIT=${LIMIT:-420}
 
+ONLY=" ${SHARDS:-all} "  # e.g. SHARDS="flex_lse models": run only the shards named
+
 shard() {
     local name=$1
     shift
+    [ "$ONLY" = " all " ] || [[ "$ONLY" == *" $name "* ]] || return 0
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rs -rf --durations=5 "$@" \
         > "$OUT/$name.log" 2>&1
     echo "rc=$?" >> "$OUT/$name.log"
 }
 
+# Flex compiles every layer kind on first use (Inductor, CPU-bound): its conformance class is
+# split four ways to use the box's cores.
+FLEXC=tests/gpu/test_conformance_flex_cuda.py
+FLEX_REST="not test_chunked and not test_lse and not test_feature and not test_dtype"
 shard flashinfer_ref tests/gpu/test_flashinfer.py -k matches_reference &
 shard flashinfer_rest tests/gpu/test_flashinfer.py -k "not matches_reference" &
 shard flashinfer_conformance tests/gpu/test_conformance_flashinfer.py &
-shard flex tests/gpu/test_flex_gpu.py tests/gpu/test_conformance_flex_cuda.py \
-    tests/gpu/test_merge_states_cuda.py &
+shard flex tests/gpu/test_flex_gpu.py tests/gpu/test_merge_states_cuda.py &
+shard flex_chunked "$FLEXC" -k test_chunked &
+shard flex_lse "$FLEXC" -k test_lse &
+shard flex_features "$FLEXC" -k "test_feature or test_dtype" &
+shard flex_rest "$FLEXC" -k "$FLEX_REST" &
 shard models tests/gpu/test_models_gpu.py &
 shard chunked tests/gpu/test_chunked_gpu.py &
 shard fa3 tests/gpu/test_fa3.py tests/gpu/test_fuzz.py tests/gpu/test_graphs.py \

@@ -16,7 +16,7 @@ import torch
 import attnsdk as A
 from attnsdk._chunked import virtual_metadata
 from attnsdk.backends.reference import ReferenceBackend
-from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
+from attnsdk.testing import BatchSpec, assert_close_to_reference, forbid_device_sync, make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -88,10 +88,6 @@ def test_llama4_scale_decode_graphs(name: str) -> None:
 @pytest.mark.parametrize("spec", [SPEC, BatchSpec.decode(batch_size=64, max_context=20000)])
 def test_the_virtual_batch_never_syncs(spec: BatchSpec) -> None:
     batch = make_batch(spec, LAYER, layout(16), device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with forbid_device_sync():
         virtual = virtual_metadata(batch.metadata, C, 16)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     virtual.validate(batch.cache)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,13 @@ import torch
 import attnsdk as A
 from attnsdk.backends._fa3_kernels import build_flags
 from attnsdk.backends.reference import ReferenceBackend
-from attnsdk.testing import Batch, BatchSpec, assert_close_to_reference, make_batch
+from attnsdk.testing import (
+    Batch,
+    BatchSpec,
+    assert_close_to_reference,
+    forbid_device_sync,
+    make_batch,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.fa3]
 
@@ -258,17 +263,11 @@ def test_no_device_sync(fa3: A.Backend) -> None:
     state = fa3.graph_state(8, 1024, 32, page_size=16, device=DEV)
     captured = fa3.plan_for_capture(state, 8, 1024)
     lse = torch.empty(batch.q.shape[0], batch.layer.num_heads, device=DEV)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "sync debug mode is a prototype"
-        try:
-            torch.cuda.set_sync_debug_mode("error")
-            plan = fa3.plan(batch.metadata)
-            fa3.forward(batch.q, batch.k, batch.v, cache, plan, batch.layer, **kw)
-            fa3.forward(batch.q, None, None, cache, plan, batch.layer, lse=lse, **kw)
-            fa3.plan_for_replay(captured, batch.metadata)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with forbid_device_sync():
+        plan = fa3.plan(batch.metadata)
+        fa3.forward(batch.q, batch.k, batch.v, cache, plan, batch.layer, **kw)
+        fa3.forward(batch.q, None, None, cache, plan, batch.layer, lse=lse, **kw)
+        fa3.plan_for_replay(captured, batch.metadata)
     torch.cuda.synchronize()
 
 

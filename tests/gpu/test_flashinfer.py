@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import warnings
 
 import pytest
 import torch
@@ -17,7 +16,13 @@ import torch
 import attnsdk as A
 from attnsdk.backends.flashinfer import FlashInferBackend, FlashInferOptions
 from attnsdk.backends.reference import ReferenceBackend
-from attnsdk.testing import Batch, BatchSpec, assert_close_to_reference, make_batch
+from attnsdk.testing import (
+    Batch,
+    BatchSpec,
+    assert_close_to_reference,
+    forbid_device_sync,
+    make_batch,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer]
 
@@ -367,17 +372,11 @@ def test_no_device_sync(fi: A.Backend) -> None:
     state = fi.graph_state(8, 64, 32, page_size=64, device=DEV)
     captured = fi.plan_for_capture(state, 8, 64)
     lse = torch.empty(batch.q.shape[0], batch.layer.num_heads, device=DEV)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "sync debug mode is a prototype"
-        try:
-            torch.cuda.set_sync_debug_mode("error")
-            plan = fi.plan(batch.metadata)
-            fi.forward(batch.q, batch.k, batch.v, cache, plan, batch.layer, **kw)
-            fi.forward(batch.q, None, None, cache, plan, batch.layer, lse=lse, **kw)
-            fi.plan_for_replay(captured, batch.metadata)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with forbid_device_sync():
+        plan = fi.plan(batch.metadata)
+        fi.forward(batch.q, batch.k, batch.v, cache, plan, batch.layer, **kw)
+        fi.forward(batch.q, None, None, cache, plan, batch.layer, lse=lse, **kw)
+        fi.plan_for_replay(captured, batch.metadata)
     torch.cuda.synchronize()
 
 

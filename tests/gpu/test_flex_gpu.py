@@ -3,8 +3,8 @@ bucket, no host sync per forward, and CUDA-graph replay of decode / verify again
 
 from __future__ import annotations
 
+import contextlib
 import random
-import warnings
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ import torch
 import attnsdk as A
 from attnsdk.backends.flex import FlexBackend, FlexOptions
 from attnsdk.backends.reference import ReferenceBackend
-from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
+from attnsdk.testing import BatchSpec, assert_close_to_reference, forbid_device_sync, make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -107,14 +107,8 @@ def test_steady_state_does_not_recompile_or_sync() -> None:
         plan = backend.plan(meta)
         if step == 1:
             graphs = counters["stats"]["unique_graphs"]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "sync debug mode is a prototype"
-            try:
-                if step >= 1:
-                    torch.cuda.set_sync_debug_mode("error")
-                backend.forward(q, k, k, cache, plan, layer)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        with forbid_device_sync() if step >= 1 else contextlib.nullcontext():
+            backend.forward(q, k, k, cache, plan, layer)
     assert counters["stats"]["unique_graphs"] == graphs
     assert len(backend.compile_stats) == 1
     print("flex compile times (s):", [round(c.seconds, 1) for c in backend.compile_stats])

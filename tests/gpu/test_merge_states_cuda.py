@@ -3,13 +3,12 @@ path against float64 attention), and captured in a CUDA graph without allocating
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import attnsdk as A
 from attnsdk._merge import merge_states_torch
+from attnsdk.testing import forbid_device_sync
 
 pytestmark = [pytest.mark.gpu]
 
@@ -78,14 +77,8 @@ def test_eager_call_does_not_sync() -> None:
     args = parts(64, 32, 128, torch.bfloat16, 3)
     out, lse = torch.empty_like(args[0]), torch.empty_like(args[1])
     A.merge_states(*args, out=out, lse_out=lse)  # compile outside the checked call
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "sync debug mode is a prototype"
-        try:
-            torch.cuda.set_sync_debug_mode("error")
-            A.merge_states(*args, out=out, lse_out=lse)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with forbid_device_sync():
+        A.merge_states(*args, out=out, lse_out=lse)
     check((out, lse), args)
 
 
@@ -110,3 +103,13 @@ def test_graph_capture_allocates_nothing_and_replays_new_values() -> None:
         graph.replay()
         torch.cuda.synchronize()
         check((out, lse), static)
+
+
+def test_the_sync_guard_catches_a_sync() -> None:
+    """``forbid_device_sync`` (used by every "does not sync" test) really raises, and leaves
+    the mode as it found it."""
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError, match="synchroniz"), forbid_device_sync():
+        x.sum().item()
+    assert torch.cuda.get_sync_debug_mode() == 0
+    x.sum().item()

@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.17")
 
 import attnsdk as A  # noqa: E402
-from attnsdk.integrations.transformers import register  # noqa: E402
+from attnsdk.integrations.transformers import _AttentionFunction, register  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -127,6 +127,52 @@ def test_hf_model_matches_fp32_eager(backend: str, arch: str) -> None:
     noise = max(noise, _bf16_noise(fp32, bf16, out[:, :-1]))
     margins = _margins(fp32, prompt, generated)
     assert float(margins.max()) <= 2 * noise + 1e-3, margins.tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_every_attention_call_matches_the_reference(backend: str, arch: str) -> None:
+    """Every attention call the model makes through ``backend`` (the prompt, then each decode
+    step of ``generate``) equals the fp32 reference backend on the same inputs, to 1 % of the
+    call's largest output. A wrong kernel shows here call by call, where the token check above
+    can only say that some token drifted."""
+    config = CONFIGS[arch]()
+    name = register(A.AttentionConfig(backend=backend), name=f"attnsdk_gpu_call_{backend[:2]}")
+    ours = transformers.AttentionInterface()[name]
+    reference = _AttentionFunction("reference")
+    errors: list[tuple[int | None, int, int, float]] = []
+
+    def checked(
+        module: Any, query: Any, key: Any, value: Any, mask: Any, *args: Any, **kw: Any
+    ) -> tuple[torch.Tensor, None]:
+        out, _ = ours(module, query, key, value, mask, *args, **kw)
+        if kw.get("s_aux") is not None:
+            kw = {**kw, "s_aux": kw["s_aux"].float()}
+        want, _ = reference(module, query.float(), key.float(), value.float(), mask, *args, **kw)
+        err = float((out.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
+        errors.append((getattr(module, "layer_idx", None), query.shape[2], key.shape[2], err))
+        return out, None
+
+    transformers.AttentionInterface.register(name, checked)
+    _, _, model = _models(config, name)
+    probe = A.LayerSpec(
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        softcap=getattr(config, "attn_logit_softcapping", None),
+        has_sinks=arch == "gpt_oss",
+        sliding_window=getattr(config, "sliding_window", None),
+    )
+    reasons = _backend_reasons(backend, probe)
+    if reasons:  # refusing is checked in test_hf_model_matches_fp32_eager
+        pytest.skip(f"{backend} declares it cannot serve {arch}: {reasons}")
+    torch.manual_seed(1)
+    ids = torch.randint(1, COMMON["vocab_size"], (2, 24), device=DEV)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    assert len(errors) >= 2 * (NEW_TOKENS - 1)  # every layer, the prompt and each decode step
+    worst = max(errors, key=lambda e: e[-1])
+    assert worst[-1] <= 1e-2, f"(layer, Sq, Sk, relative error) of the worst call: {worst}"
 
 
 def test_the_token_check_can_fail() -> None:
