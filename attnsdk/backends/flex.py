@@ -42,8 +42,10 @@ every device, so the CPU CI tests what CUDA serves).
 Compilation (``FlexOptions.compile``; None = on CUDA only): ``torch.compile(dynamic=False)``
 per layer kind, specialised per shape bucket (Bb, Lb, Wb, pool size), so steady-state steps and
 CUDA-graph replays never recompile; dynamic shapes are avoided on purpose (torch 2.11 failed to
-lower flex at a symbolic length). Dynamo's per-function recompile limit (8) is lifted only while
-a new bucket compiles, because this backend bounds its buckets itself. ``compile_stats`` records
+lower flex at a symbolic length). Dynamo's recompile limit (8 per code object, and every layer
+kind of every flex backend in a process compiles one inner function) is lifted only while a new
+bucket compiles, to twice the process's compiled buckets, because this backend bounds its
+buckets itself. ``compile_stats`` records
 each bucket's compile time. Uncompiled flex (the CPU default: a CPU compile takes seconds per
 bucket) runs torch's unfused implementation, which materialises scores over the whole pool:
 fine for tests and small CPU pools, slow for large ones; its "called without torch.compile"
@@ -54,6 +56,7 @@ sinks and ``lse=`` on a compiled CPU path are refused.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
@@ -359,10 +362,15 @@ class FlexBackend(DeviceStoreBackend):
         start = time.perf_counter()
         if compiled:
             # One torch.compile per layer kind serves every bucket. Buckets are powers of two,
-            # so they grow only logarithmically; dynamo's per-function recompile limit (8) must
-            # not send a new one to eager flex.
-            limit = max(64, 4 * len(self._buckets) + 8)
-            with torch._dynamo.config.patch(_LIMIT, limit), warnings.catch_warnings():
+            # so they grow only logarithmically; dynamo's recompile limit (8) must not refuse a
+            # new one. Dynamo counts per code object: every layer kind of every FlexBackend in
+            # the process compiles the same inner function, so the count is process-wide
+            # (measured: a limit from one backend's buckets failed after ~100 tests on an H200).
+            limit = max(64, 2 * next(_COMPILES_IN_PROCESS) + 8)
+            patch: dict[str, int] = {_LIMIT: limit}
+            if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):  # its safeguard
+                patch["accumulated_recompile_limit"] = max(256, 2 * limit)
+            with torch._dynamo.config.patch(patch), warnings.catch_warnings():
                 # Inductor's first import runs deprecated torch.jit code of torch's own.
                 warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.")
                 res = fn(*args)
@@ -411,6 +419,8 @@ class FlexBackend(DeviceStoreBackend):
 _LIMIT = (
     "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 )
+_COMPILES_IN_PROCESS = itertools.count(1)
+"""Shape buckets compiled by every FlexBackend in this process (dynamo's limits count them all)."""
 
 
 def q_capturing(q: torch.Tensor) -> bool:

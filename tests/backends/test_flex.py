@@ -3,6 +3,7 @@ and compile caching (one compiled bucket, reused without recompiling)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -263,6 +264,28 @@ def test_registered_and_options() -> None:
 
 
 # --- compiled: one bucket, compiled once, reused ----------------------------------------
+
+
+def test_dynamo_limits_count_every_flex_compile_in_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dynamo counts recompiles per code object, and every flex backend in a process compiles
+    the same inner function: a new bucket's limit must follow the process's compiles, not the
+    backend's own (a fresh backend after ~100 tests on an H200 hit the limit of 64)."""
+    from attnsdk.backends import flex as flex_module
+
+    monkeypatch.setattr(flex_module, "_COMPILES_IN_PROCESS", itertools.count(300))
+    seen: list[tuple[int, int]] = []
+
+    def compiled_step(*args: Any) -> tuple[torch.Tensor, None]:
+        config = torch._dynamo.config
+        seen.append((config.recompile_limit, config.accumulated_recompile_limit))
+        return args[0], None
+
+    backend = FlexBackend(FlexOptions(compile=True))  # a fresh backend: no buckets of its own
+    backend._first_call(("bucket",), compiled_step, (torch.zeros(1),), compiled=True)
+    assert seen == [(2 * 300 + 8, 2 * (2 * 300 + 8))]
+    assert len(backend.compile_stats) == 1
 
 
 def test_compiled_matches_and_does_not_recompile_within_a_bucket() -> None:

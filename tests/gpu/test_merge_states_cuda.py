@@ -91,10 +91,12 @@ def test_graph_capture_allocates_nothing_and_replays_new_values() -> None:
         A.merge_states(*static, out=out, lse_out=lse)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
     with torch.cuda.graph(graph):
+        # Counted inside the capture: entering it allocates on its own (2 blocks on an H200).
+        allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
         A.merge_states(*static, out=out, lse_out=lse)
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+        allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - allocations
+    assert allocated == 0
     for seed in (6, 7):
         fresh = parts(48, 16, 256, torch.float16, seed)
         for s, f in zip(static, fresh):

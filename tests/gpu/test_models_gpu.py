@@ -48,8 +48,12 @@ CONFIGS: dict[str, Any] = {
     "gemma2": lambda: transformers.Gemma2Config(
         **COMMON, sliding_window=8, attn_logit_softcapping=5.0, query_pre_attn_scalar=64
     ),
+    # One expert: routing is a step function, and with 4 experts a last-bit difference in the
+    # attention output flipped one token's experts on flashinfer (margin 0.158 against bf16
+    # noise 0.013) while every attention call matched the reference to 1 %. What this file
+    # tests is attention (sinks + window); the router is not.
     "gpt_oss": lambda: transformers.GptOssConfig(
-        **COMMON, sliding_window=8, num_local_experts=4, num_experts_per_tok=2
+        **COMMON, sliding_window=8, num_local_experts=1, num_experts_per_tok=1
     ),
 }
 NEW_TOKENS = 32
