@@ -34,11 +34,13 @@ from attnsdk._capabilities import (
     default_device,
     device_reasons,
     lse_capability_reasons,
+    tree_capability_reasons,
 )
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVCacheLayout
 from attnsdk._layer import LayerSpec
+from attnsdk._tree import tree_reasons
 from attnsdk._validate import check_metadata
 from attnsdk._warmup import warm_up
 
@@ -231,8 +233,15 @@ class BackendBase(GraphHooks):
     # -- once per step ----------------------------------------------------------------------
 
     def plan(self, meta: AttentionMetadata) -> Plan:
-        """Check ``meta`` on the host (no device sync), then ``make_plan``."""
+        """Check ``meta`` on the host (no device sync), then ``make_plan``. A step with a
+        ``tree_mask`` is refused unless ``Feature.TREE_MASK`` is declared."""
         check_metadata(meta)
+        if meta.tree_mask is not None:
+            reasons = tree_capability_reasons(self.capabilities)
+            if reasons:
+                raise UnsupportedConfigError(
+                    f"the {self.name} backend cannot serve a tree verify step:", reasons
+                )
         return self.make_plan(meta)
 
     def make_plan(self, meta: AttentionMetadata) -> Plan:
@@ -267,6 +276,13 @@ class BackendBase(GraphHooks):
             if reasons:
                 raise UnsupportedConfigError(
                     f"the {self.name} backend cannot return the log-sum-exp (lse=):", reasons
+                )
+        if plan.metadata.tree_mask is not None:
+            reasons = tree_reasons(layer)
+            if reasons:
+                raise UnsupportedConfigError(
+                    "this layer cannot run in a tree verify step (a step with a tree_mask):",
+                    reasons,
                 )
         key = (layer, cache.layout)
         try:

@@ -55,8 +55,9 @@ class Reason:
 class Feature(str, enum.Enum):
     """Optional semantics of DESIGN §2 that a backend may or may not implement.
 
-    All but ``LSE`` are properties of a layer (``capability_reasons`` checks them against a
-    ``LayerSpec``); ``LSE`` is asked per call, by passing ``lse=`` to ``forward``.
+    All but ``LSE`` and ``TREE_MASK`` are properties of a layer (``capability_reasons`` checks
+    them against a ``LayerSpec``); ``LSE`` is asked per call, by passing ``lse=`` to
+    ``forward``, and ``TREE_MASK`` per step, by a plan of metadata with a ``tree_mask``.
     """
 
     GQA = "gqa"
@@ -70,6 +71,8 @@ class Feature(str, enum.Enum):
     """``forward(..., lse=)`` fills the per-head log-sum-exp of each query row."""
     CHUNKED_LOCAL = "chunked_local"
     """``LayerSpec.attention_chunk_size``: queries see only keys of their own chunk."""
+    TREE_MASK = "tree_mask"
+    """``AttentionMetadata.tree_mask``: speculative-tree verify steps (``attnsdk._tree``)."""
 
 
 class GraphSupport(enum.IntEnum):
@@ -237,6 +240,14 @@ def lse_capability_reasons(caps: Capabilities) -> list[Reason]:
     if Feature.LSE in caps.features:
         return []
     return [Reason(ReasonKind.CONFIGURATION, "lse", "is not supported by this backend")]
+
+
+def tree_capability_reasons(caps: Capabilities) -> list[Reason]:
+    """Why a step with a ``tree_mask`` is refused by what ``caps`` declares; [] with
+    ``Feature.TREE_MASK``."""
+    if Feature.TREE_MASK in caps.features:
+        return []
+    return [Reason(ReasonKind.BATCH, "tree_mask", "is not supported by this backend")]
 
 
 _FEATURE_FIELDS = {Feature.CHUNKED_LOCAL: "attention_chunk_size"}

@@ -15,8 +15,9 @@ from typing import ClassVar
 import torch
 
 from attnsdk._backend import Plan
+from attnsdk._capabilities import Reason, ReasonKind
 from attnsdk._checks import check_device, check_int
-from attnsdk._errors import InvalidInputError, InvalidMetadataError
+from attnsdk._errors import InvalidInputError, InvalidMetadataError, UnsupportedConfigError
 from attnsdk._metadata import AttentionMetadata
 from attnsdk._validate import check_is_metadata, check_metadata
 
@@ -208,4 +209,9 @@ class GraphHooks:
         # The graph's page size is known here: a page table too narrow for it is refused
         # rather than padded with the reserved page.
         check_metadata(meta, plan.graph.page_size)
+        if meta.tree_mask is not None:
+            raise UnsupportedConfigError(
+                "a tree verify step cannot be replayed from a CUDA graph:",
+                [Reason(ReasonKind.BATCH, "tree_mask", "the graph buffers carry no tree mask")],
+            )
         plan.graph.replay_update(plan.metadata, meta)

@@ -61,6 +61,12 @@ class AttentionMetadata:
     page_size: int | None = None
     """P the page table and slot mapping were built for; a cache of another page size is
     refused. None: not recorded (then the cache's page size is taken on trust)."""
+    tree_mask: torch.Tensor | None = None
+    """(T', M) bool, on the device, T' >= T and M >= max_query_len; or None (the new tokens of a
+    sequence form a causal chain). Speculative-tree verify: the query row t that is new token i
+    of its sequence sees every key before the sequence's new tokens, and new token j <= i
+    exactly when ``tree_mask[t, j]`` (a token's ancestors and itself). Entries j > i and rows
+    past T are not read. See docs/kv_layout.md, "Tree verify"."""
 
     @property
     def num_seqs(self) -> int:
@@ -84,12 +90,15 @@ class AttentionMetadata:
         page_table: IntsLike | Sequence[Sequence[int]],
         page_size: int,
         device: torch.device | str | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Build metadata from host lengths and a page table, deriving ``slot_mapping``.
 
         ``query_lens`` and ``seq_lens`` are host ints (lists or CPU tensors). ``page_table`` is a
         (B, W) tensor or nested list; ``device`` defaults to the page table's device (CPU for a
         list). Token j of sequence b is written at position ``seq_lens[b] - query_lens[b] + j``.
+        ``tree_mask`` (see the field; ``tree_mask_from_parents`` builds one) is moved to
+        ``device``.
         """
         q = _host_ints("query_lens", query_lens)
         s = _host_ints("seq_lens", seq_lens)
@@ -132,6 +141,7 @@ class AttentionMetadata:
             max_query_len=int(q.max()) if q.numel() else 0,
             max_seq_len=int(s.max()) if s.numel() else 0,
             page_size=page_size,
+            tree_mask=None if tree_mask is None else _tree_mask(tree_mask).to(device),
         )
 
     @classmethod
@@ -147,12 +157,13 @@ class AttentionMetadata:
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
         page_size: int | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Adopt an engine's tensors as they are (no copy when dtypes already match).
 
         The host maxima default to the maxima of the host twins. ``page_size`` records what the
         page table and slots were built for (None: not recorded). Integer tensors only; host
-        values must fit int32. No device sync.
+        values must fit int32; ``tree_mask`` a bool tensor, taken as it is. No device sync.
         """
         for name, t in (
             ("query_start_loc", query_start_loc),
@@ -194,6 +205,7 @@ class AttentionMetadata:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             page_size=page_size,
+            tree_mask=None if tree_mask is None else _tree_mask(tree_mask),
         )
 
     def validate(
@@ -258,6 +270,16 @@ def _page_table(values: IntsLike | Sequence[Sequence[int]]) -> torch.Tensor:
                 f"page_table{list(where)}", "a page id that fits int32", int(t[where])
             )
     return t.to(torch.int32)
+
+
+def _tree_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A (T', M) bool tree mask, refused with the field named when it is anything else."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        found = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise InvalidMetadataError("tree_mask", "a (T, M) torch.bool tensor", found)
+    if mask.dim() != 2:
+        raise InvalidMetadataError("tree_mask", "a (T, M) torch.bool tensor", tuple(mask.shape))
+    return mask
 
 
 def _host_ints(field: str, values: IntsLike) -> torch.Tensor:

@@ -10,6 +10,7 @@ from attnsdk._backend import Plan
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._kv import KVCache, KVCacheLayout
 from attnsdk._metadata import AttentionMetadata, token_positions
+from attnsdk._tree import check_tree_mask, validate_tree_mask
 
 _CPU = torch.device("cpu")
 
@@ -25,6 +26,7 @@ def check_metadata(meta: AttentionMetadata, page_size: int | None = None) -> Non
     check_is_metadata("meta", meta)
     _check_tensors(meta)
     _check_scalars(meta)
+    check_tree_mask(meta)
     if page_size is not None and meta.page_size is not None and meta.page_size != page_size:
         raise InvalidMetadataError(
             "page_size",
@@ -132,6 +134,7 @@ def validate_metadata(
             "seq_lens.device", f"the cache's device {cache_device}", meta.seq_lens.device
         )
     _check_host_twins(meta)
+    validate_tree_mask(meta)
     qsl = meta.query_start_loc_cpu.long()
     owned = int(qsl[-1])
 

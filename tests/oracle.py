@@ -136,9 +136,14 @@ def attention(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 output (sum(query_lens), Hq, Dv) and log-sum-exp (sum(query_lens), Hq) for the
     query rows of every sequence.
+
+    ``tree_mask`` (speculative-tree verify, DESIGN "later: a tree mask"): the query row that is
+    new token i of its sequence sees new token j only when ``tree_mask[row, j]`` (and j <= i,
+    from causality); the keys before the sequence's new tokens stay visible.
 
     ``k_nhd`` / ``v_nhd`` are the cache after this step's writes; sequence b's key at position
     j lives at page ``page_table[b, j // P]``, offset ``j % P``. A query row that sees no key
@@ -160,6 +165,11 @@ def attention(
         values = load_float64(v_nhd[pages, key_pos % page_size], v_scale)  # (L, Hkv, Dv)
         query_pos = torch.arange(length - n, length)
         mask = visible(query_pos, key_pos, sem)
+        if tree_mask is not None:
+            for i in range(n):
+                for j in range(n):
+                    if not bool(tree_mask[row + i, j]):
+                        mask[i, length - n + j] = False
         for h in range(sem.num_heads):
             kv = h // group
             s = (q[row : row + n, h].to(torch.float64) @ keys[:, kv].T) * sem.scale
@@ -230,6 +240,7 @@ def run_oracle(batch: Batch, *, write: bool = True) -> Expected:
         sinks=batch.sinks,
         k_scale=batch.k_scale,
         v_scale=batch.v_scale,
+        tree_mask=None if meta.tree_mask is None else meta.tree_mask.cpu(),
     )
     return Expected(out, lse, kc, vc)
 

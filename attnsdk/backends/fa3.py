@@ -20,6 +20,12 @@ per chunk a sequence's queries touch), made once per step and chunk size in ``ma
 the prepared layers. The chunk size must be a multiple of the page size. CUDA graphs capture
 chunked layers in decode graphs only, where the virtual batch has one row per sequence and is
 rebuilt on the device inside the graph.
+
+Tree verify (``AttentionMetadata.tree_mask``): FA3 takes no mask, so a tree step runs as two
+launches, as SGLang runs EAGLE topk > 1: a non-causal pass over each sequence's context and a
+non-causal pass in which each query row reads its visible draft tokens through a page table
+of slots over the cache viewed with pages of one token, merged by ``attnsdk.merge_states``
+(``attnsdk._tree``). Eager only (a captured plan has no mask), NHD caches with separate K and V.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from attnsdk._capabilities import (
 from attnsdk._chunked import check_capture, chunk_reasons, prepared_chunks, virtual_metadata
 from attnsdk._errors import UnsupportedConfigError
 from attnsdk._kv import KVOrder
+from attnsdk._merge import merge_states
+from attnsdk._tree import TreePasses, token_pool, tree_passes
 from attnsdk.backends._fa3_kernels import (
     INSTALL_COMMAND,
     PROVIDERS,
@@ -92,6 +100,8 @@ class FA3Plan(Plan):
     scheduler: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     virtual: dict[tuple[int, int], AttentionMetadata] = field(default_factory=dict)
     """(chunk size, page size) -> the step's virtual batch for chunked layers."""
+    tree: TreePasses | None = None
+    """A tree verify step's two passes (``attnsdk._tree``), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +226,7 @@ class FA3Backend(DeviceStoreBackend):
 
     def make_plan(self, meta: AttentionMetadata) -> FA3Plan:
         # FA3 reads the metadata tensors as they are; only chunked layers need another batch.
-        plan = FA3Plan(meta)
+        plan = FA3Plan(meta, tree=None if meta.tree_mask is None else tree_passes(meta))
         for chunk, page_size in prepared_chunks(self.prepared, meta):
             plan.virtual[(chunk, page_size)] = virtual_metadata(meta, chunk, page_size)
         return plan
@@ -237,6 +247,11 @@ class FA3Backend(DeviceStoreBackend):
         return plan
 
     # -- per layer --------------------------------------------------------------------------
+
+    def check_step(self, plan: Plan, cache: KVCache) -> None:
+        super().check_step(plan, cache)
+        if plan.metadata.tree_mask is not None:
+            _token_pools(cache)  # before anything is written
 
     def attend(
         self,
@@ -259,34 +274,92 @@ class FA3Backend(DeviceStoreBackend):
             out = torch.empty(
                 q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
             )
-        b = meta.num_seqs
-        if b == 0 or q.shape[0] == 0:
+        if meta.num_seqs == 0 or q.shape[0] == 0:
             return dest
         if q.stride(-1) != 1:
             q = q.contiguous()  # FA3 reads each head vector as one contiguous run
-        k_descale = v_descale = None
         if st.quantized:
             q = q.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
-            hkv = layer.num_kv_heads
-            if k_scale is not None:
-                k_descale = k_scale.reshape(1, -1).expand(b, hkv)
-            if v_scale is not None:
-                v_descale = v_scale.reshape(1, -1).expand(b, hkv)
         if sinks is not None:
             # FA3 (flash_api_stable) reads the sink logits as bf16 whatever the compute dtype.
             sinks = sinks.to(torch.bfloat16)
-        scheduler = self._scheduler(plan, meta, layer, st) if self._precompute else None
+        scales = (k_scale, v_scale)
+        if meta.tree_mask is not None:
+            passes = plan.tree if isinstance(plan, FA3Plan) else None
+            self._attend_tree(
+                q, cache, passes or tree_passes(meta), layer, st, sinks, scales, out, lse
+            )
+        else:
+            scheduler = self._scheduler(plan, meta, layer, st) if self._precompute else None
+            self._launch(q, cache.k_nhd, cache.v_nhd, out, meta, layer, st, st.causal,
+                         sinks, scales, lse, scheduler)  # fmt: skip
+        return out if dest is out else dest.copy_(out)
+
+    def _attend_tree(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        passes: TreePasses,
+        layer: LayerSpec,
+        st: _Static,
+        sinks: torch.Tensor | None,
+        scales: tuple[torch.Tensor | None, torch.Tensor | None],
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> None:
+        """Tree verify (``attnsdk._tree``): the context pass and the draft pass (pages of one
+        token, the sinks counted there once), merged by their log-sum-exps."""
+        t, hq = passes.drafts.num_tokens, layer.num_heads
+        k_pool, v_pool = _token_pools(cache)
+        parts = [
+            (torch.empty(t, hq, layer.v_dim, dtype=out.dtype, device=out.device),
+             torch.empty(t, hq, dtype=torch.float32, device=out.device))
+            for _ in range(2)
+        ]  # fmt: skip
+        (out_a, lse_a), (out_b, lse_b) = parts
+        self._launch(q, cache.k_nhd, cache.v_nhd, out_a, passes.context, layer, st, False,
+                     None, scales, lse_a, None)  # fmt: skip
+        self._launch(q, k_pool, v_pool, out_b, passes.drafts, layer, st, False,
+                     sinks, scales, lse_b, None)  # fmt: skip
+        # A pass that sees no key: -inf, whatever the kernel writes for an empty row.
+        lse_a.masked_fill_(passes.context_empty[:, None], float("-inf"))
+        lse_b.masked_fill_(passes.drafts_empty[:, None], float("-inf"))
+        merge_states(
+            out_a, lse_a, out_b, lse_b, out=out[:t], lse_out=None if lse is None else lse[:t]
+        )
+
+    def _launch(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        meta: AttentionMetadata,
+        layer: LayerSpec,
+        st: _Static,
+        causal: bool,
+        sinks: torch.Tensor | None,
+        scales: tuple[torch.Tensor | None, torch.Tensor | None],
+        lse: torch.Tensor | None,
+        scheduler: torch.Tensor | None,
+    ) -> None:
+        """One FA3 launch over ``meta``'s batch; fp8 scales become (B, Hkv) descales."""
+        b, hkv = meta.num_seqs, layer.num_kv_heads
+        k_descale, v_descale = (
+            None if not st.quantized or x is None else x.reshape(1, -1).expand(b, hkv)
+            for x in scales
+        )
         self._kernel(
             q,
-            cache.k_nhd,
-            cache.v_nhd,
+            k_cache,
+            v_cache,
             out,
             cu_seqlens_q=meta.query_start_loc,
             cache_seqlens=meta.seq_lens,
             page_table=meta.page_table,
             max_seqlen_q=meta.max_query_len,
             softmax_scale=st.scale,
-            causal=st.causal,
+            causal=causal,
             window=st.window,
             softcap=st.softcap,
             q_descale=None,
@@ -298,7 +371,6 @@ class FA3Backend(DeviceStoreBackend):
             sinks=sinks,
             lse=lse,
         )
-        return out if dest is out else dest.copy_(out)
 
     def _virtual(self, plan: Plan, chunk: int, page_size: int) -> AttentionMetadata:
         """The step's virtual batch for chunks of ``chunk`` tokens, made once per plan: by
@@ -352,6 +424,24 @@ class FA3Backend(DeviceStoreBackend):
         if cacheable:
             plan.scheduler[st.key] = sched
         return sched
+
+
+def _token_pools(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V viewed with pages of one token (the tree's draft pass), or the reason not."""
+    k, v = token_pool(cache.k_nhd), token_pool(cache.v_nhd)
+    if k is None or v is None:
+        raise UnsupportedConfigError(
+            "the fa3 backend cannot serve a tree verify step on this cache:",
+            [
+                Reason(
+                    ReasonKind.BATCH,
+                    "tree_mask",
+                    "needs pages that are runs of page_size token rows (an NHD cache with "
+                    "separate K and V tensors: the draft pass reads single tokens)",
+                )
+            ],
+        )
+    return k, v
 
 
 def _fa3_reasons(

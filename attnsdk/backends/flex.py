@@ -128,6 +128,8 @@ class _StepMask:
     """(Bb * Lb,) int64: token row of q gathered into each padded query row."""
     out_row: torch.Tensor
     """(T,) int64: padded row (b * Lb + j) each token's output is read from."""
+    tree: torch.Tensor | None
+    """(Bb, Lb, Lb) bool: the step's tree mask by padded row and new-token column, or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,12 +328,12 @@ class FlexBackend(DeviceStoreBackend):
         key = (
             state, q.device.type, q.dtype, tuple(k_pool.shape), k_pool.stride(),
             tuple(v_pool.shape), v_pool.stride(), hq, d, bb, lb, wb, mask.page_table.shape[1],
-            compiled,
+            mask.tree is not None, compiled,
         )  # fmt: skip
         fn = self._function(state, compiled, q.device)
         args = (
             qp, k_pool, v_pool, mask.kv_num_blocks, mask.kv_indices, mask.page_pos,
-            mask.page_table, mask.seq_lens, mask.q_start, sinks,
+            mask.page_table, mask.seq_lens, mask.q_start, mask.tree, sinks,
         )  # fmt: skip
         res, res_lse = (
             fn(*args) if key in self._buckets else self._first_call(key, fn, args, compiled)
@@ -357,7 +359,7 @@ class FlexBackend(DeviceStoreBackend):
                 "plan",
                 "a shape bucket compiled before CUDA-graph capture (run one eager step of the "
                 "captured batch size first; GraphRunner's warm-up does)",
-                f"a new bucket (rows, query length, pages) = {key[-5:-2]} during capture",
+                f"a new bucket (rows, query length, pages) = {key[-6:-3]} during capture",
             )
         start = time.perf_counter()
         if compiled:
@@ -530,7 +532,16 @@ def _build_mask(
         q_start=q_start,
         q_index=q_index,
         out_row=out_row,
+        tree=None if meta.tree_mask is None else _tree_rows(meta.tree_mask, q_index, bb, lb),
     )
+
+
+def _tree_rows(mask: torch.Tensor, q_index: torch.Tensor, bb: int, lb: int) -> torch.Tensor:
+    """The tree mask as (Bb, Lb, Lb): padded query row by new-token column (False past M)."""
+    rows = mask.index_select(0, q_index)[:, :lb]
+    if rows.shape[1] < lb:
+        rows = torch.nn.functional.pad(rows, (0, lb - rows.shape[1]), value=False)
+    return rows.reshape(bb, lb, lb).contiguous()
 
 
 def _attention_function(
@@ -564,6 +575,7 @@ def _attention_function(
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
         q_start: torch.Tensor,
+        tree: torch.Tensor | None,
         sinks: torch.Tensor | None,
     ) -> _Result:
         wpt = page_table.shape[1]
@@ -577,6 +589,11 @@ def _attention_function(
             ok = own & (kpos < seq_lens[b])
             if causal:
                 ok = ok & (kpos <= qpos)
+            if tree is not None:
+                # New token j = kpos - q_start is visible when it is an ancestor (or qi itself);
+                # causality above already keeps j <= qi.
+                j = kpos - q_start[b]
+                ok = ok & ((j < 0) | tree[b, qi, j.clamp(0, tree.shape[-1] - 1)])
             if wl >= 0:
                 ok = ok & (kpos >= qpos - wl)
                 if not causal:

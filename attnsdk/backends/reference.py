@@ -2,7 +2,7 @@
 
 fp32 accumulation, one vectorised pass per sequence over its pages, every semantic of DESIGN §2
 (GQA/MQA, bottom-right causal or non-causal, sliding window, chunked local attention, softcap,
-sinks, fp8 KV) and the log-sum-exp (``lse=``: the log of the fp32 softmax denominator). Runs on
+sinks, fp8 KV, tree verify masks) and the log-sum-exp (``lse=``: the log of the fp32 softmax denominator). Runs on
 CPU and CUDA; it is the default on a machine without a GPU.
 """
 
@@ -89,7 +89,8 @@ class ReferenceBackend(BackendBase):
                 kb = _head_major(cache.k_nhd, pages, seq_len, k_scale, ws_k)
                 vb = _head_major(cache.v_nhd, pages, seq_len, v_scale, ws_v)
                 rows_lse = None if lse is None else lse[q0:q1]
-                self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1], rows_lse)
+                tree = None if meta.tree_mask is None else meta.tree_mask[q0:q1, : q1 - q0]
+                self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1], rows_lse, tree)
         return out
 
     def _attend(
@@ -101,9 +102,10 @@ class ReferenceBackend(BackendBase):
         sinks: torch.Tensor | None,
         out: torch.Tensor,
         lse: torch.Tensor | None,
+        tree: torch.Tensor | None,
     ) -> None:
         """One sequence: q (n, Hq, D) at the last n of L positions, k/v (Hkv, L, D|Dv) fp32;
-        ``lse`` (n, Hq) fp32 or None."""
+        ``lse`` (n, Hq) fp32 or None; ``tree`` its (n, n) rows of the step's tree mask or None."""
         n, length = q.shape[0], k.shape[1]
         hkv, g, dv = layer.num_kv_heads, layer.group_size, layer.v_dim
         chunk = max(1, self.options.max_scores // max(1, layer.num_heads * length))
@@ -123,6 +125,8 @@ class ReferenceBackend(BackendBase):
             allowed = torch.ones_like(rel, dtype=torch.bool)
             if layer.causal:
                 allowed &= rel <= 0
+            if tree is not None:  # among the new tokens: ancestors and self (entries j <= i)
+                allowed[:, length - n :] &= tree[c0 : c0 + c].to(q.device)
             if layer.sliding_window is not None:
                 allowed &= rel >= -layer.window_left
                 if not layer.causal:

@@ -332,10 +332,11 @@ class RoutedBackend:
         self._served = set()
         self._lse_served = set()
         # Graphs run on the decode route: its capabilities (graph support too) are ours, but
-        # lse= is served only where every route serves it.
+        # lse= and tree masks are served only where every route serves them.
         caps = self._backends["decode"].capabilities
-        if any(Feature.LSE not in b.capabilities.features for b in self._backends.values()):
-            caps = dataclasses.replace(caps, features=caps.features - {Feature.LSE})
+        for feature in (Feature.LSE, Feature.TREE_MASK):
+            if any(feature not in b.capabilities.features for b in self._backends.values()):
+                caps = dataclasses.replace(caps, features=caps.features - {feature})
         self.capabilities = caps
 
 

@@ -11,6 +11,7 @@ import torch
 from attnsdk._errors import InvalidInputError
 from attnsdk._kv import KVCache, KVCacheLayout, KVOrder, quantize
 from attnsdk._metadata import AttentionMetadata
+from attnsdk._tree import tree_mask_from_parents
 
 if TYPE_CHECKING:
     from attnsdk._backend import Backend
@@ -154,11 +155,14 @@ def make_batch(
     device: torch.device | str = "cpu",
     spare_pages: int = 3,
     per_head_scales: bool = False,
+    tree: bool = False,
 ) -> Batch:
     """A random batch for ``spec``: q/k/v, metadata, a prefilled cache, sinks and fp8 scales.
 
     Page 0 is reserved for padding rows; ``spare_pages`` unused pages make out-of-range reads
     visible. Values are drawn from a generator seeded with ``seed`` (on the CPU, then moved).
+    ``tree``: the new tokens of each sequence form a random draft tree (the metadata's
+    ``tree_mask``; token i's parent drawn from -1 .. i - 1, half of them i - 1).
 
     >>> from attnsdk import KVCacheLayout, LayerSpec
     >>> from attnsdk.testing import BatchSpec
@@ -182,7 +186,10 @@ def make_batch(
     table = torch.zeros(spec.num_seqs, width, dtype=torch.int32)
     for b, row in enumerate(assigned):
         table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    meta = AttentionMetadata.from_seqlens(spec.query_lens, spec.seq_lens, table, p, device=device)
+    mask = _random_tree(spec.query_lens, gen) if tree else None
+    meta = AttentionMetadata.from_seqlens(
+        spec.query_lens, spec.seq_lens, table, p, device=device, tree_mask=mask
+    )
     if any(spec.padded):
         pad_tokens = torch.repeat_interleave(
             torch.tensor(spec.padded), torch.tensor(spec.query_lens)
@@ -226,3 +233,16 @@ def make_batch(
         k_scale=None if k_scale is None else k_scale.to(device),
         v_scale=None if v_scale is None else v_scale.to(device),
     )
+
+
+def _random_tree(query_lens: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A (T, max query len) tree mask: per sequence, each token's parent is the previous token
+    (a chain link) or, as often, any earlier token or the context (a branch)."""
+    parents = []
+    for n in query_lens:
+        seq = []
+        for i in range(n):
+            draw = int(torch.randint(0, 2 * (i + 1), (1,), generator=gen))
+            seq.append(i - 1 if draw > i else draw - 1)  # i - 1 half the time, else -1 .. i - 1
+        parents.append(seq)
+    return tree_mask_from_parents(parents)

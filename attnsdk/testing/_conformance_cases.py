@@ -88,6 +88,10 @@ _LSE_TOLERANCE = (5e-3, 1e-3)
 """(atol, rtol) of the log-sum-exp: fp32 from the same inputs on both sides; the slack covers
 approximate exp2 / tanh (softcap) instructions. A missing sink term or a base-2 value misses it
 by far more (the sink cases check that sinks move the lse by 10 * atol at least)."""
+_TREE_FEATURES = ("gqa", "mqa", "softcap", "sinks", "v-head-dim", "fp8-e4m3")
+"""Layers a tree verify step runs on (causal, no window, no chunks: ``attnsdk._tree``)."""
+_TREE_PRESETS = ("verify", "mixed", "prefill", "empty_rows")
+"""Trees over contexts, next to decodes and prefills, without context, and beside empty rows."""
 _CHUNKED = ("chunked", "chunked-window", "chunked-noncausal", "chunked-sinks", "chunked-24")
 
 
@@ -197,3 +201,18 @@ def _assert_same_cache(
                 f"{name} cache after the {what} differs from the reference's at {int(bad.sum())} "
                 f"slots; first: slot {slot} (page {page}, offset {offset}), {role}"
             )
+
+
+def _branches(meta: AttentionMetadata) -> bool:
+    """Whether some draft token of ``meta``'s tree does not see every earlier new token of its
+    sequence (the tree is not a plain causal chain, so ignoring it changes the output)."""
+    mask = meta.tree_mask
+    if mask is None or not meta.num_tokens:
+        return False
+    qsl = meta.query_start_loc_cpu.long()
+    qlen = qsl[1:] - qsl[:-1]
+    rows = mask[: meta.num_tokens].cpu()
+    index = torch.arange(meta.num_tokens) - torch.repeat_interleave(qsl[:-1], qlen)
+    cols = torch.arange(rows.shape[1])
+    earlier = cols[None, :] < index[:, None]
+    return bool((earlier & ~rows).any())

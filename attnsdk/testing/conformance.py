@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from attnsdk._base import BackendBase, lse_reasons_of
-from attnsdk._capabilities import GraphSupport
+from attnsdk._capabilities import GraphSupport, tree_capability_reasons
 from attnsdk._create import create_backend, explain
 from attnsdk._errors import InvalidMetadataError, UnsupportedConfigError
 from attnsdk._kv import COMPUTE_DTYPES, KVCacheLayout
@@ -64,6 +64,8 @@ from attnsdk.testing._conformance_cases import (
     _ORDERS,
     _PAGE_ORDERS,
     _SPLIT_FEATURES,
+    _TREE_FEATURES,
+    _TREE_PRESETS,
     CHUNK_PRESETS,
     FEATURES,
     PACKED,
@@ -71,6 +73,7 @@ from attnsdk.testing._conformance_cases import (
     FeatureCase,
     _assert_same_cache,
     _base,
+    _branches,
     _chunk_edges_64,
     _copy,
     _dtype_id,
@@ -343,6 +346,46 @@ class BackendConformance:
         self._assert_output(out[:n], ref, layout)
         _assert_same_cache(cache, ref_cache, batch.metadata, exact=not layout.is_quantized)
 
+    # -- tree verify --------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("preset", _TREE_PRESETS)
+    @pytest.mark.parametrize("feature", _TREE_FEATURES)
+    def test_tree_verify(
+        self, subject: Backend, oracle: Backend, feature: str, preset: str
+    ) -> None:
+        """Speculative-tree verify (``AttentionMetadata.tree_mask``, random draft trees):
+        output, log-sum-exp and cache match the reference, and the tree moves the output away
+        from a causal chain's (a backend that ignores the mask fails). A backend without
+        ``Feature.TREE_MASK`` must refuse the step before writing; the case is then skipped."""
+        f = FEATURES[feature]
+        layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
+        dev = torch.device(self.device)
+        for seed in range(self.seeds):
+            spec = PRESETS[preset](seed)
+            batch = self._batch(layer, layout, spec, seed, per_head=f.per_head_scales, tree=True)
+            self._require(subject, batch)
+            reasons = tree_capability_reasons(subject.capabilities)
+            if reasons:
+                cache = _copy(batch.cache)
+                with pytest.raises(UnsupportedConfigError):
+                    batch.run(subject, cache)
+                _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused")
+                pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+            out = self._compare(subject, oracle, batch)
+            if not lse_reasons_of(subject, layer, layout, dev):
+                with_lse, lse, _ = batch.run_with_lse(subject)
+                _, ref_lse, _ = self.reference_batch(batch).run_with_lse(oracle)
+                assert torch.equal(with_lse, out), "asking for lse= changed the output"
+                self._assert_lse(lse, ref_lse, layout)
+            chain = dataclasses.replace(batch.metadata, tree_mask=None)
+            if _branches(batch.metadata):
+                causal, _ = self.reference_batch(dataclasses.replace(batch, metadata=chain)).run(
+                    oracle
+                )
+                gap = float((out.float() - causal.float()).abs().max())
+                atol, _ = self.tolerance(layout)
+                assert gap > 10 * atol, f"the tree moved the output by only {gap:.3g}"
+
     # -- the log-sum-exp ----------------------------------------------------------------------
 
     @pytest.mark.parametrize(
@@ -561,6 +604,7 @@ class BackendConformance:
         *,
         per_head: bool = False,
         packed: bool = False,
+        tree: bool = False,
     ) -> Batch:
         pages = _PAGE_ORDERS[seed % len(_PAGE_ORDERS)]
         batch = make_batch(
@@ -571,6 +615,7 @@ class BackendConformance:
             seed=seed,
             device=self.device,
             per_head_scales=per_head,
+            tree=tree,
         )
         if packed:
             batch = dataclasses.replace(batch, cache=_packed(batch.cache))

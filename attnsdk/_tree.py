@@ -1,0 +1,223 @@
+"""Speculative-tree verify: ``AttentionMetadata.tree_mask``, what it means and who serves it.
+
+A verify step carries, per sequence, n draft tokens that form a tree (EAGLE with topk > 1,
+NGRAM): token i must see the context (every key before the sequence's new tokens) and, among
+the new tokens, only its ancestors and itself, not every earlier token as a causal chain would.
+Trees list parents before children, so the ancestors of token i are all among tokens 0..i-1.
+
+Semantics (docs/kv_layout.md, "Tree verify"): the query row t, new token i of its sequence,
+sees key position k < seq_len - n always, and the new token j <= i when ``tree_mask[t, j]``.
+All new tokens' K/V are written before attention as in any step. The mask replaces only the
+causal rule among the new tokens: a layer with a sliding window, attention chunks or no
+causality has no meaning for a tree's positions and is refused (``tree_reasons``), as is a
+CUDA-graph capture (the graph buffers carry no mask).
+
+Kernels without a mask input (FA3) serve a tree in two passes merged by their log-sum-exps
+(``tree_passes``, SGLang's way for EAGLE topk > 1): one over each sequence's context, non-causal
+(every row sees all of it), and one in which every query row is a sequence of its own whose keys
+are its visible new tokens, found through a page table of slots over the pool viewed with pages
+of one token. ``attnsdk.merge_states`` then gives attention over the union, exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnsdk._capabilities import Reason, ReasonKind
+from attnsdk._errors import InvalidInputError, InvalidMetadataError
+from attnsdk._metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from attnsdk._layer import LayerSpec
+
+__all__ = [
+    "TreePasses",
+    "check_tree_mask",
+    "token_pool",
+    "tree_mask_from_parents",
+    "tree_passes",
+    "tree_reasons",
+    "validate_tree_mask",
+]
+
+
+def tree_mask_from_parents(
+    parents: Sequence[Sequence[int]], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The (T, M) ``tree_mask`` of draft trees given as parent lists, M = the longest list.
+
+    ``parents[b][i]`` is the parent of sequence b's new token i: an earlier new token of the
+    same sequence (0 <= parent < i), or -1 for a child of the context (a root). Rows follow the
+    sequences in order, as the step's query rows do; a sequence without new tokens has [].
+
+    >>> tree_mask_from_parents([[-1, 0, 0, 1]]).int().tolist()  # root, two children, a grandchild
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    """
+    width = max((len(p) for p in parents), default=0)
+    rows: list[list[bool]] = []
+    for b, seq in enumerate(parents):
+        seen: list[list[bool]] = []
+        for i, parent in enumerate(seq):
+            if isinstance(parent, bool) or not isinstance(parent, int) or not -1 <= parent < i:
+                raise InvalidInputError(
+                    f"parents[{b}][{i}]", f"-1 (a root) or an earlier token 0..{i - 1}", parent
+                )
+            row = list(seen[parent]) if parent >= 0 else [False] * width
+            row[i] = True
+            seen.append(row)
+        rows.extend(seen)
+    return torch.tensor(rows, dtype=torch.bool, device=device).reshape(len(rows), width)
+
+
+def tree_reasons(layer: LayerSpec) -> list[Reason]:
+    """Why ``layer`` cannot run in a step with a tree mask: the layer features whose positions
+    a tree does not define."""
+    reasons = []
+    if not layer.causal:
+        reasons.append(Reason(ReasonKind.BATCH, "causal", "a tree mask needs a causal layer"))
+    if layer.sliding_window is not None:
+        reasons.append(
+            Reason(
+                ReasonKind.BATCH,
+                "sliding_window",
+                "is not defined over a draft tree's positions; tree verify runs without one",
+            )
+        )
+    if layer.attention_chunk_size is not None:
+        reasons.append(
+            Reason(
+                ReasonKind.BATCH,
+                "attention_chunk_size",
+                "is not defined over a draft tree's positions; tree verify runs without one",
+            )
+        )
+    return reasons
+
+
+def check_tree_mask(meta: AttentionMetadata) -> None:
+    """The host-only checks of ``meta.tree_mask`` (part of every plan): dtype, shape, device."""
+    mask = meta.tree_mask
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        found = (
+            f"{mask.dtype} of shape {tuple(mask.shape)}"
+            if isinstance(mask, torch.Tensor)
+            else type(mask).__name__
+        )
+        raise InvalidMetadataError("tree_mask", "a (T, M) torch.bool tensor", found)
+    if mask.shape[0] < meta.num_tokens or mask.shape[1] < meta.max_query_len:
+        raise InvalidMetadataError(
+            "tree_mask",
+            f"shape (T >= num_tokens={meta.num_tokens}, M >= max_query_len={meta.max_query_len})",
+            tuple(mask.shape),
+        )
+    if mask.device.type != meta.seq_lens.device.type:
+        raise InvalidMetadataError("tree_mask.device", str(meta.seq_lens.device), mask.device)
+
+
+def validate_tree_mask(meta: AttentionMetadata) -> None:
+    """``validate``'s part (syncs): every draft token sees itself. A mask that fails this is
+    misaligned with the query rows (or transposed), not a tree."""
+    mask = meta.tree_mask
+    if mask is None or not meta.num_tokens:
+        return
+    qsl = meta.query_start_loc_cpu.long()
+    qlen = qsl[1:] - qsl[:-1]
+    rows = torch.arange(int(qsl[-1]))
+    index = rows - torch.repeat_interleave(qsl[:-1], qlen)
+    diagonal = mask.to("cpu")[rows, index]
+    if not bool(diagonal.all()):
+        t = int(torch.nonzero(~diagonal)[0])
+        raise InvalidMetadataError(
+            f"tree_mask[{t}, {int(index[t])}]",
+            "True (every draft token sees itself; row t is new token "
+            f"{int(index[t])} of its sequence)",
+            False,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TreePasses:
+    """A tree verify step as two plain steps (module docstring); built once per plan."""
+
+    context: AttentionMetadata
+    """The step with each sequence's keys cut to its context (run non-causal)."""
+    drafts: AttentionMetadata
+    """One sequence per query row over its visible new tokens, on pages of one token (run
+    non-causal over ``token_pool`` views). Its host twins are upper bounds (new token i sees
+    at most i + 1 tokens), as in a replayed plan; the device lengths are exact."""
+    context_empty: torch.Tensor
+    """(T,) bool, on the device: rows whose sequence has no context (their context pass sees
+    no key: the log-sum-exp is set to -inf whatever the kernel writes there)."""
+    drafts_empty: torch.Tensor
+    """(T,) bool, on the device: rows that see no new token (only with a mask that hides a
+    token from itself, which ``validate`` refuses)."""
+
+
+def tree_passes(meta: AttentionMetadata) -> TreePasses:
+    """The two passes of ``meta``'s tree verify step (``meta.tree_mask`` must be set). No
+    device sync: lengths come from the host twins, the mask stays on the device."""
+    mask = meta.tree_mask
+    if mask is None:
+        raise InvalidInputError("meta.tree_mask", "a tree mask", None)
+    dev = meta.device
+    t = meta.num_tokens
+    qsl = meta.query_start_loc_cpu.long()
+    qlen = qsl[1:] - qsl[:-1]
+    ctx_cpu = meta.seq_lens_cpu - qlen.to(torch.int32)
+    owner = torch.repeat_interleave(torch.arange(qlen.shape[0]), qlen)
+    first = qsl[:-1][owner]  # each row's sequence's first query row
+    index = torch.arange(t) - first  # each row's new-token index i
+    host = torch.cat([owner, first, index, qlen[owner]])
+    if dev.type == "cuda":
+        host = host.pin_memory()
+    owner_d, first_d, index_d, n_d = host.to(dev, non_blocking=True).split([t, t, t, t])
+
+    context = dataclasses.replace(
+        meta,
+        seq_lens=meta.seq_lens - (meta.query_start_loc[1:] - meta.query_start_loc[:-1]),
+        seq_lens_cpu=ctx_cpu,
+        max_seq_len=int(ctx_cpu.max()) if ctx_cpu.numel() else 0,
+        tree_mask=None,
+    )
+
+    m = max(1, meta.max_query_len)
+    cols = torch.arange(m, device=dev)
+    rows = mask[:t, :m] if mask.shape[1] >= m else mask[:t]
+    if rows.shape[1] < m:
+        rows = torch.nn.functional.pad(rows, (0, m - rows.shape[1]), value=False)
+    seen = rows & (cols[None, :] <= index_d[:, None]) & (cols[None, :] < n_d[:, None])
+    # Visible columns first, in order: sort keys j (visible) and m + j (hidden).
+    order = torch.where(seen, cols, m + cols).argsort(dim=1)
+    count = seen.sum(dim=1, dtype=torch.int32)
+    token_row = (first_d[:, None] + order.clamp_max(m - 1)).clamp(0, max(t - 1, 0))
+    slots = meta.slot_mapping[token_row].clamp_min(0)  # past count: never read
+    drafts = AttentionMetadata(
+        query_start_loc=torch.arange(t + 1, dtype=torch.int32, device=dev),
+        seq_lens=count,
+        page_table=slots.to(torch.int32),
+        slot_mapping=meta.slot_mapping,
+        query_start_loc_cpu=torch.arange(t + 1, dtype=torch.int32),
+        seq_lens_cpu=(index + 1).to(torch.int32),
+        num_tokens=t,
+        max_query_len=1 if t else 0,
+        max_seq_len=m if t else 0,
+        page_size=1,
+    )
+    return TreePasses(context, drafts, (ctx_cpu.to(dev) == 0)[owner_d], count == 0)
+
+
+def token_pool(x: torch.Tensor) -> torch.Tensor | None:
+    """(N, P, Hkv, D) pages as (N * P, 1, Hkv, D) pages of one token, without a copy; None
+    when the pages are not runs of P token rows at one stride (HND caches, vLLM's packed K|V)."""
+    n, p, h, d = x.shape
+    if x.stride(0) != p * x.stride(1):
+        return None
+    return x.as_strided((n * p, 1, h, d), (x.stride(1), x.stride(1), x.stride(2), x.stride(3)))
