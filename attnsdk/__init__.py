@@ -21,6 +21,7 @@ from attnsdk._layer import LayerSpec
 from attnsdk._merge import merge_states
 from attnsdk._metadata import AttentionMetadata
 from attnsdk._registry import Registration, backend_names, register_backend
+from attnsdk._tree import tree_mask_from_parents
 from attnsdk.graphs import GraphRunner
 
 __version__ = "0.1.0"
@@ -57,4 +58,5 @@ __all__ = [
     "explain",
     "merge_states",
     "register_backend",
+    "tree_mask_from_parents",
 ]

@@ -46,6 +46,7 @@ PUBLIC = [
     "explain",
     "merge_states",
     "register_backend",
+    "tree_mask_from_parents",
 ]
 
 TESTING_PUBLIC = [

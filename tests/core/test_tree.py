@@ -1,0 +1,177 @@
+"""Tree verify (``AttentionMetadata.tree_mask``, ``attnsdk._tree``): the mask's checks, who
+refuses what, and the backends that serve it against the float64 oracle on random trees."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from fake_fa3 import CPUFA3, fake_fa3
+from oracle import run_oracle
+
+import attnsdk as A
+from attnsdk import tree_mask_from_parents
+from attnsdk.backends.flex import FlexBackend, FlexOptions
+from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
+
+LAYER = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=32)
+LAYOUT = A.KVCacheLayout(2, 32, 16, dtype=torch.float32)
+reference = ReferenceBackend()
+
+
+def _meta(mask: torch.Tensor, query_lens: list[int] | None = None) -> A.AttentionMetadata:
+    q = query_lens or [3, 2]
+    return A.AttentionMetadata.from_seqlens(
+        q, [s + 20 for s in q], [[1, 2], [3, 4]], 16, tree_mask=mask
+    )
+
+
+# -- the mask and its checks -------------------------------------------------------------------
+
+
+def test_parents_make_ancestor_rows() -> None:
+    mask = tree_mask_from_parents([[-1, 0, 1, 0], [], [-1, -1]])
+    assert mask.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, False, False, True],
+        [True, False, False, False],
+        [False, True, False, False],
+    ]
+    assert tree_mask_from_parents([]).shape == (0, 0)
+
+
+@pytest.mark.parametrize(("parents", "field"), [([[0]], r"parents\[0\]\[0\]"),
+                                                ([[-1, 2, 0]], r"parents\[0\]\[1\]"),
+                                                ([[-1], [-2]], r"parents\[1\]\[0\]"),
+                                                ([[-1, True]], r"parents\[0\]\[1\]")])  # fmt: skip
+def test_a_parent_after_its_child_is_refused(parents: list[list[int]], field: str) -> None:
+    with pytest.raises(A.InvalidInputError, match=field):
+        tree_mask_from_parents(parents)
+
+
+def test_the_host_checks_name_the_field() -> None:
+    with pytest.raises(A.InvalidMetadataError, match=r"tree_mask.*torch.bool"):
+        _meta(torch.ones(5, 3, dtype=torch.int32))
+    with pytest.raises(A.InvalidMetadataError, match=r"tree_mask.*torch.bool"):
+        _meta(torch.ones(5, dtype=torch.bool))
+    for shape in ((4, 3), (5, 2)):  # too few rows (T = 5), too few columns (max query 3)
+        meta = _meta(torch.ones(5, 3, dtype=torch.bool))
+        short = dataclasses.replace(meta, tree_mask=torch.ones(*shape, dtype=torch.bool))
+        with pytest.raises(A.InvalidMetadataError, match=r"tree_mask.*num_tokens=5"):
+            reference.plan(short)
+
+
+def test_validate_wants_every_draft_token_to_see_itself() -> None:
+    mask = tree_mask_from_parents([[-1, 0, 0], [-1, 0]])
+    _meta(mask).validate(LAYOUT, reserved_page=None)
+    mask[4, 1] = False  # row 4 is new token 1 of the second sequence
+    with pytest.raises(A.InvalidMetadataError, match=r"tree_mask\[4, 1\]"):
+        _meta(mask).validate(LAYOUT, reserved_page=None)
+
+
+# -- who refuses what --------------------------------------------------------------------------
+
+
+class _NoTrees(ReferenceBackend):
+    name = "no-trees"
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities,
+        features=ReferenceBackend.capabilities.features - {A.Feature.TREE_MASK},
+    )
+
+
+def test_a_backend_without_tree_masks_refuses_the_step_at_plan() -> None:
+    with pytest.raises(A.UnsupportedConfigError, match="tree verify") as err:
+        _NoTrees().plan(_meta(tree_mask_from_parents([[-1, 0, 0], [-1, 0]])))
+    assert [r.field for r in err.value.reasons] == ["tree_mask"]
+
+
+@pytest.mark.parametrize(
+    ("layer", "fields"),
+    [
+        ({"sliding_window": 8}, ["sliding_window"]),
+        ({"attention_chunk_size": 32}, ["attention_chunk_size"]),
+        ({"causal": False}, ["causal"]),
+    ],
+)
+def test_layers_a_tree_does_not_define_are_refused_before_writing(
+    layer: dict[str, object], fields: list[str]
+) -> None:
+    spec = BatchSpec.verify(batch_size=3, draft_tokens=4, seed=1)
+    batch = make_batch(spec, dataclasses.replace(LAYER, **layer), LAYOUT, tree=True)
+    cache = batch.fresh_cache()
+    with pytest.raises(A.UnsupportedConfigError) as err:
+        batch.run(reference, cache)
+    assert [r.field for r in err.value.reasons] == fields
+    assert torch.equal(cache.k, batch.cache.k)
+
+
+def test_a_tree_step_is_not_replayed_from_a_graph() -> None:
+    state = reference.graph_state(4, 16, 4, page_size=16, device="cpu")
+    captured = reference.plan_for_capture(state, 2, 5, max_query_len=3)
+    with pytest.raises(A.UnsupportedConfigError, match="graph") as err:
+        reference.plan_for_replay(captured, _meta(tree_mask_from_parents([[-1, 0, 0], [-1, 0]])))
+    assert [r.field for r in err.value.reasons] == ["tree_mask"]
+
+
+def test_routed_declares_trees_when_every_route_serves_them() -> None:
+    both = A.create_backend(A.AttentionConfig(backend="routed", decode="reference", prefill="flex"))
+    assert A.Feature.TREE_MASK in both.capabilities.features
+
+
+def test_fa3_refuses_a_tree_on_a_cache_without_token_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_fa3(monkeypatch)
+    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16, order="HND")
+    layer = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
+    batch = make_batch(BatchSpec.verify(batch_size=2, draft_tokens=3), layer, layout, tree=True)
+    cache = batch.fresh_cache()
+    with pytest.raises(A.UnsupportedConfigError, match="tree verify") as err:
+        batch.run(CPUFA3(), cache)
+    assert [r.field for r in err.value.reasons] == ["tree_mask"]
+    assert torch.equal(cache.k, batch.cache.k)
+
+
+# -- served: against the float64 oracle --------------------------------------------------------
+
+
+BACKENDS = {"reference": reference, "flex": FlexBackend(FlexOptions(compile=False))}
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_random_trees_match_the_oracle(name: str) -> None:
+    backend = BACKENDS[name]
+    r = random.Random(7)
+    for seed in range(25):
+        spec = BatchSpec.random(r, max_batch=5, max_context=70, max_query=9)
+        layer = dataclasses.replace(
+            LAYER, has_sinks=r.random() < 0.3, softcap=3.0 if r.random() < 0.3 else None
+        )
+        batch = make_batch(spec, layer, LAYOUT, seed=seed, tree=True)
+        expected = run_oracle(batch)
+        out, lse, _ = batch.run_with_lse(backend)
+        n = batch.metadata.num_tokens
+        assert_close_to_reference(out[:n], expected.out.float(), atol=1e-4, rtol=1e-4)
+        assert_close_to_reference(lse[:n], expected.lse.float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_a_chain_tree_is_plain_causal_and_a_branch_is_not(name: str) -> None:
+    backend = BACKENDS[name]
+    spec = BatchSpec.verify(batch_size=3, draft_tokens=5, seed=2)
+    batch = make_batch(spec, LAYER, LAYOUT, seed=2)
+    chain = tree_mask_from_parents([list(range(-1, 4))] * 3)
+    causal, _ = batch.run(backend)
+    as_chain = dataclasses.replace(batch.metadata, tree_mask=chain)
+    out, _ = dataclasses.replace(batch, metadata=as_chain).run(backend)
+    assert_close_to_reference(out, causal, atol=1e-6, rtol=1e-6)
+    branch = tree_mask_from_parents([[-1, 0, 0, 1, 2]] * 3)  # token 2 does not see token 1
+    out, _ = dataclasses.replace(
+        batch, metadata=dataclasses.replace(batch.metadata, tree_mask=branch)
+    ).run(backend)
+    assert float((out[2] - causal[2]).abs().max()) > 1e-2
+    assert_close_to_reference(out[:2], causal[:2], atol=1e-6, rtol=1e-6)
