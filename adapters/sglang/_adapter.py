@@ -11,6 +11,9 @@ SGLang's conventions, which every method here relies on (docs/adapters/sglang.md
   is ``req_to_token[rows, ::P] // P``. ``validate`` checks this for every position it uses.
 - ``seq_lens`` count the request's tokens after this step, except in TARGET_VERIFY, where they
   exclude the ``spec_info.draft_token_num`` draft tokens (the query tokens, appended after them).
+- A TARGET_VERIFY tree (EAGLE ``topk > 1``, NGRAM) carries ``spec_info.custom_mask``: per row b,
+  D x (seq_lens[b] + D) booleans, row-major, rows after one another (SGLang's FA3 and
+  FlashInfer backends read it so); ``tree_mask`` takes the drafts' columns.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from attnsdk import (
 from attnsdk._checks import is_int_tensor
 from attnsdk._kv import COMPUTE_DTYPES
 from attnsdk.adapters.sglang._layer import radix_layer_spec
-from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, step_kind
+from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, is_tree, step_kind
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -58,7 +61,7 @@ class SGLangAdapter:
     """Turns SGLang batch objects into attnsdk metadata; subclass it and override a hook.
 
     Hooks (each reads one thing from the ``ForwardBatch``): ``query_lens``, ``seq_lens``,
-    ``page_table``, ``slot_mapping`` and ``layer_spec``. ``build_metadata`` composes them.
+    ``page_table``, ``slot_mapping``, ``tree_mask`` and ``layer_spec``. ``build_metadata`` composes them.
 
     >>> import torch
     >>> req_to_token = torch.zeros(4, 64, dtype=torch.int32)
@@ -142,6 +145,43 @@ class SGLangAdapter:
             )
         return loc.to(torch.int64)
 
+    def tree_mask(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """(B * D, D) bool: a tree verify's mask among its D drafts per row, gathered on the
+        device from ``spec_info.custom_mask``; None for draft chains and other steps.
+
+        SGLang lays the mask out per row b as D x (seq_lens[b] + D) booleans, row-major (each
+        draft's view of the prefix, then of the drafts), rows after one another; the prefix
+        part is all true and the draft part is what attnsdk's ``tree_mask`` holds.
+        """
+        if step_kind(fb.forward_mode) is not StepKind.TARGET_VERIFY or not is_tree(fb.spec_info):
+            return None
+        d = draft_token_num(fb.spec_info)
+        b = _batch_size(fb)
+        mask = getattr(fb.spec_info, "custom_mask", None)
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+            found = (mask.dtype, tuple(mask.shape)) if isinstance(mask, torch.Tensor) else mask
+            raise InvalidMetadataError(
+                "forward_batch.spec_info.custom_mask", "a 1-D torch.bool tensor (the tree)", found
+            )
+        host = _host_ints("forward_batch.seq_lens_cpu", fb.seq_lens_cpu, b).long()
+        need = int(((host + d) * d).sum())
+        if mask.numel() < need:
+            raise InvalidMetadataError(
+                "forward_batch.spec_info.custom_mask",
+                f"at least {need} entries (draft_token_num x (seq_lens + draft_token_num) per row)",
+                mask.numel(),
+            )
+        prefix = _device_ints("forward_batch.seq_lens", fb.seq_lens, b).long()
+        row_len = prefix + d
+        start = torch.cumsum(row_len * d, 0) - row_len * d  # where each row's block begins
+        ramp = torch.arange(d, device=prefix.device)
+        index = (
+            (start + prefix)[:, None, None]
+            + ramp[None, :, None] * row_len[:, None, None]
+            + ramp[None, None, :]
+        )
+        return mask[index.reshape(-1)].view(b * d, d)
+
     def layer_spec(
         self,
         layer: RadixAttention,
@@ -198,6 +238,7 @@ class SGLangAdapter:
             seq_lens_cpu=s.host,
             max_seq_len=max_seq,
             page_size=self.page_size,
+            tree_mask=self.tree_mask(fb),
         )
 
     def kv_cache(

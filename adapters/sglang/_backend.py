@@ -17,6 +17,7 @@ import torch
 from attnsdk import (
     AttentionConfig,
     Backend,
+    Feature,
     InvalidInputError,
     KVCacheLayout,
     LayerSpec,
@@ -289,12 +290,14 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         algorithm = str(getattr(server_args, "speculative_algorithm", None) or "").upper()
         topk = getattr(server_args, "speculative_eagle_topk", None)
         if algorithm == "NGRAM" or (isinstance(topk, int) and topk > 1):
-            refuse(
-                what,
-                "speculative_eagle_topk",
-                f"tree speculative decoding ({algorithm or 'EAGLE'}, topk {topk}) needs a tree "
-                "mask; attnsdk serves draft chains (topk 1) only",
-            )
+            tree = f"tree speculative decoding ({algorithm or 'EAGLE'}, topk {topk})"
+            if Feature.TREE_MASK not in self.backend.capabilities.features:
+                refuse(
+                    what,
+                    "speculative_eagle_topk",
+                    f"{tree} needs a backend with tree masks (reference, flex, fa3); "
+                    f"{self.backend.name!r} has none",
+                )
         total_kv = cfg.get_total_num_kv_heads() if hasattr(cfg, "get_total_num_kv_heads") else None
         num_kv = int(total_kv or cfg.num_key_value_heads)
         # Total heads: what the capabilities depend on (ratios and dims) is the same per rank.

@@ -18,7 +18,7 @@ import torch
 
 from attnsdk import InvalidInputError, UnsupportedConfigError
 from attnsdk.adapters._common import refuse
-from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, step_kind
+from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, is_tree, step_kind
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -142,7 +142,7 @@ class SGLangGraphHooks:
         return SEQ_LEN_FILL_VALUE
 
     def get_verify_buffers_to_fill_after_draft(self) -> list[None]:
-        """No tree-mask or position buffers: verify is a causal chain (topk 1)."""
+        """No tree-mask or position buffers: a captured verify is a causal chain (topk 1)."""
         return [None, None]
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info: Any, cuda_graph_bs: Any) -> None:
@@ -212,7 +212,15 @@ def _graph_tokens_per_row(mode: ForwardMode, spec_info: Any, encoder_lens: Any) 
         refuse("CUDA graph", "encoder_lens", "cross-attention is not mapped")
     kind = step_kind(mode)
     if kind is StepKind.TARGET_VERIFY:
-        return draft_token_num(spec_info)
+        drafts = draft_token_num(spec_info)  # refuses a missing spec_info first
+        if is_tree(spec_info):
+            refuse(
+                "CUDA graph",
+                "spec_info",
+                "tree verify (EAGLE topk > 1, NGRAM) runs eagerly: the graph buffers carry no "
+                "tree mask yet (start SGLang without CUDA graphs for the target model)",
+            )
+        return drafts
     if kind is StepKind.DECODE and not (spec_info is not None and mode.is_decode()):
         return 1
     raise UnsupportedConfigError(

@@ -1,8 +1,8 @@
 """How SGLang's forward modes and speculative inputs lay out a step's query tokens.
 
 SGLang has more ``ForwardMode``s than attention shapes; ``step_kind`` maps each onto one of three
-(or refuses it), with SGLang's own predicates, and ``draft_token_num`` reads a verify step's
-draft chain (refusing trees, which need a mask attnsdk does not have yet).
+(or refuses it), with SGLang's own predicates; ``draft_token_num`` reads a verify step's draft
+count and ``is_tree`` whether its drafts form a tree (EAGLE ``topk > 1``, every NGRAM verify).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from attnsdk import InvalidMetadataError, Reason, ReasonKind, UnsupportedConfigE
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-__all__ = ["StepKind", "draft_token_num", "step_kind"]
+__all__ = ["StepKind", "draft_token_num", "is_tree", "step_kind"]
 
 
 class StepKind(enum.Enum):
@@ -27,7 +27,8 @@ class StepKind(enum.Enum):
     """EXTEND, MIXED, DRAFT_EXTEND (<= 0.5.12), DRAFT_EXTEND_V2: ``extend_seq_lens`` new tokens
     per row after a prefix."""
     TARGET_VERIFY = "target_verify"
-    """A chain of ``spec_info.draft_token_num`` draft tokens per row, after ``seq_lens``."""
+    """``spec_info.draft_token_num`` draft tokens per row, after ``seq_lens``: a chain, or a
+    tree whose mask is ``spec_info.custom_mask`` (``is_tree``)."""
 
 
 def _is(mode: object, predicate: str) -> bool:
@@ -66,31 +67,15 @@ def step_kind(mode: ForwardMode) -> StepKind:
 
 
 def draft_token_num(spec_info: Any) -> int:
-    """Draft tokens per row of a TARGET_VERIFY batch. Only draft chains are served.
+    """Draft tokens per row of a TARGET_VERIFY batch (a chain or a tree, ``is_tree``).
 
-    A tree (EAGLE ``topk > 1``, every NGRAM verify: ``NgramVerifyInput`` has no ``topk`` and
-    is a tree of breadth ``speculative_ngram_max_bfs_breadth``) needs a tree mask, and a ragged
-    DFlash layout per-row draft counts: both are refused, never computed as a chain.
+    A ragged DFlash layout (per-row draft counts) is refused, never computed as uniform.
     """
     if spec_info is None:
         raise InvalidMetadataError(
             "forward_batch.spec_info", "an EagleVerifyInput-like object in TARGET_VERIFY", None
         )
     kind = type(spec_info).__name__
-    topk = getattr(spec_info, "topk", None)
-    if topk is None:
-        raise UnsupportedConfigError(
-            f"forward_batch.spec_info: expected a draft chain (topk == 1), found {kind} "
-            "without topk (NGRAM verify is a token tree)",
-            [Reason(ReasonKind.BATCH, "spec_info", "tree verify needs a tree mask")],
-        )
-    if isinstance(topk, bool) or not isinstance(topk, int):
-        raise InvalidMetadataError("forward_batch.spec_info.topk", "an int (1: a chain)", topk)
-    if topk != 1:
-        raise UnsupportedConfigError(
-            f"forward_batch.spec_info.topk: expected 1 (a draft chain), found {topk}",
-            [Reason(ReasonKind.BATCH, "spec_info.topk", "tree verify needs a tree mask")],
-        )
     if getattr(spec_info, "ragged_verify_layout", None) is not None:
         raise UnsupportedConfigError(
             f"forward_batch.spec_info.ragged_verify_layout: expected None, found a {kind} layout",
@@ -100,3 +85,15 @@ def draft_token_num(spec_info: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise InvalidMetadataError("forward_batch.spec_info.draft_token_num", "an int > 0", n)
     return n
+
+
+def is_tree(spec_info: Any) -> bool:
+    """Whether a TARGET_VERIFY step's drafts form a tree: EAGLE with ``topk > 1``, or NGRAM
+    (``NgramVerifyInput`` has no ``topk``: always a tree of breadth
+    ``speculative_ngram_max_bfs_breadth``). Its mask is then ``spec_info.custom_mask``."""
+    topk = getattr(spec_info, "topk", None)
+    if topk is None:
+        return True
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise InvalidMetadataError("forward_batch.spec_info.topk", "an int >= 1 (1: a chain)", topk)
+    return topk > 1

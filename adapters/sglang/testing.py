@@ -173,7 +173,9 @@ class MockRadixAttention:
 
 @dataclass(slots=True)
 class VerifyInput:
-    """The ``EagleVerifyInput`` fields a chain verify reads (``topk`` 1, no tree mask)."""
+    """The ``EagleVerifyInput`` fields a verify reads: a chain (``topk`` 1) or a tree
+    (``topk`` > 1) whose ``custom_mask`` holds, per row b, D x (seq_lens[b] + D) booleans,
+    row-major, rows after one another."""
 
     draft_token_num: int
     topk: int = 1
@@ -350,12 +352,15 @@ def make_sglang_batch(
     seed: int = 0,
     device: torch.device | str = "cpu",
     spare_pages: int = 3,
+    tree_mask: torch.Tensor | None = None,
 ) -> SGLangBatch:
     """A mock SGLang step for ``spec`` in ``mode``; the KV buffers hold random context.
 
     TARGET_VERIFY needs equal query lengths (the draft count); its ``seq_lens`` exclude them.
-    Rows flagged ``spec.padded`` become SGLang's graph padding rows (req row 0, seq_len 1,
-    slot 0), allowed in DECODE, IDLE and TARGET_VERIFY.
+    With ``tree_mask`` ((B * D, D) bool, attnsdk's ``AttentionMetadata.tree_mask`` of the
+    drafts, e.g. from ``attnsdk.tree_mask_from_parents``) it is an EAGLE tree verify (topk 2)
+    whose ``custom_mask`` is laid out as SGLang's. Rows flagged ``spec.padded`` become SGLang's
+    graph padding rows (req row 0, seq_len 1, slot 0), allowed in DECODE, IDLE and TARGET_VERIFY.
     """
     _check_spec(spec, mode)
     dev = torch.device(device)
@@ -418,7 +423,7 @@ def make_sglang_batch(
         extend_seq_lens_cpu=list(spec.query_lens) if extend else None,
         extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=dev) if extend else None,
         extend_prefix_lens_cpu=prefix if extend else None,
-        spec_info=VerifyInput(drafts) if verify else None,
+        spec_info=_verify_input(drafts, seq_lens, tree_mask, dev) if verify else None,
     )
     t = spec.num_tokens
     return SGLangBatch(
@@ -433,6 +438,25 @@ def make_sglang_batch(
             torch.tensor(real, dtype=torch.bool), torch.tensor(spec.query_lens, dtype=torch.int64)
         ),
     )
+
+
+def _verify_input(
+    drafts: int, prefix_lens: list[int], tree_mask: torch.Tensor | None, device: torch.device
+) -> VerifyInput:
+    """A chain, or an EAGLE tree whose ``custom_mask`` is SGLang's layout of ``tree_mask``."""
+    if tree_mask is None:
+        return VerifyInput(drafts)
+    b = len(prefix_lens)
+    if tuple(tree_mask.shape) != (b * drafts, drafts) or tree_mask.dtype != torch.bool:
+        found = (tree_mask.dtype, tuple(tree_mask.shape))
+        raise InvalidInputError("tree_mask", f"a ({b * drafts}, {drafts}) bool tensor", found)
+    rows = tree_mask.cpu().view(b, drafts, drafts)
+    blocks = [
+        torch.cat([torch.ones(drafts, prefix, dtype=torch.bool), rows[i]], dim=1).flatten()
+        for i, prefix in enumerate(prefix_lens)
+    ]
+    mask = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
+    return VerifyInput(drafts, topk=2, custom_mask=mask.to(device))
 
 
 def _check_spec(spec: BatchSpec, mode: ForwardMode) -> None:

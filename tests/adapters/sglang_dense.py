@@ -54,8 +54,17 @@ def expected_step(
     lse = torch.full((t, hq), float("-inf"), dtype=torch.float64)
     scale = layer.softmax_scale
     group = hq // hkv
+    # A tree verify's mask, read as SGLang lays it out: per row, D x (prefix + D) booleans.
+    # A tree: EAGLE topk > 1, or NGRAM (its verify input has no topk: always a tree).
+    custom = getattr(fb.spec_info, "custom_mask", None)
+    topk = getattr(fb.spec_info, "topk", None)
+    tree = custom.cpu() if custom is not None and (topk is None or topk > 1) else None
+    offset = 0
     start = 0
     for b, (n, total) in enumerate(zip(batch.spec.query_lens, batch.spec.seq_lens)):
+        block = offset
+        if tree is not None:
+            offset += n * (int(fb.seq_lens_cpu[b]) + n)
         if batch.spec.padded[b]:
             start += n
             continue
@@ -79,6 +88,8 @@ def expected_step(
                         allowed &= j <= p + layer.sliding_window - 1
                 if layer.attention_chunk_size is not None:
                     allowed &= j // layer.attention_chunk_size == p // layer.attention_chunk_size
+                if tree is not None:
+                    allowed &= tree[block + i * total : block + (i + 1) * total]
                 logits = scores.masked_fill(~allowed, float("-inf"))
                 if sinks is not None:
                     logits = torch.cat([logits, sinks[h].double().cpu().view(1)])

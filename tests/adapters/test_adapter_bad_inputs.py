@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from backend_variants import NoTreesBackend
 from bad_input_kit import Case, assert_refused, params
 
 from attnsdk import (
@@ -278,17 +279,27 @@ SG_BATCH_CASES = [
         mode=M.TARGET_VERIFY,
     ),
     fb_case(
-        "verify-ngram-without-topk",
-        "spec_info",
+        "verify-ngram-without-mask",
+        "forward_batch.spec_info.custom_mask",
         spec_info(draft_token_num=3),
-        UCE,
         mode=M.TARGET_VERIFY,
     ),
     fb_case(
-        "verify-tree-topk-4",
-        "spec_info.topk",
+        "verify-tree-without-mask",
+        "forward_batch.spec_info.custom_mask",
         fb_with(spec_info=VerifyInput(3, topk=4)),
-        UCE,
+        mode=M.TARGET_VERIFY,
+    ),
+    fb_case(
+        "verify-tree-mask-short",
+        "forward_batch.spec_info.custom_mask",
+        fb_with(spec_info=VerifyInput(3, topk=4, custom_mask=torch.ones(5, dtype=torch.bool))),
+        mode=M.TARGET_VERIFY,
+    ),
+    fb_case(
+        "verify-tree-mask-int",
+        "forward_batch.spec_info.custom_mask",
+        fb_with(spec_info=VerifyInput(3, topk=4, custom_mask=torch.ones(999, dtype=torch.int8))),
         mode=M.TARGET_VERIFY,
     ),
     fb_case(
@@ -345,10 +356,9 @@ SG_BATCH_CASES = [
     ),
     fb_case("mode-prebuilt", "forward_mode", fb_with(forward_mode=M.PREBUILT), UCE, via="dropin"),
     fb_case(
-        "verify-tree-topk-2",
-        "spec_info.topk",
+        "verify-tree-topk-2-without-mask",
+        "forward_batch.spec_info.custom_mask",
         fb_with(spec_info=VerifyInput(3, topk=2)),
-        UCE,
         mode=M.TARGET_VERIFY,
         via="dropin",
     ),
@@ -623,6 +633,7 @@ SG_CONSTRUCT_CASES = [
             b.model_runner, server_args=SimpleNamespace(speculative_algorithm="NGRAM")
         ),
         UCE,
+        backend=NoTreesBackend(),
     ),
     ctor_case(
         "eagle-tree-speculation",
@@ -632,6 +643,7 @@ SG_CONSTRUCT_CASES = [
             server_args=SimpleNamespace(speculative_algorithm="EAGLE", speculative_eagle_topk=4),
         ),
         UCE,
+        backend=NoTreesBackend(),
     ),
     ctor_case(
         "model-float64",

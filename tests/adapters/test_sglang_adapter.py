@@ -8,7 +8,13 @@ import pytest
 import torch
 from sglang_dense import expected_step
 
-from attnsdk import InvalidInputError, InvalidMetadataError, LayerSpec, UnsupportedConfigError
+from attnsdk import (
+    InvalidInputError,
+    InvalidMetadataError,
+    LayerSpec,
+    UnsupportedConfigError,
+    tree_mask_from_parents,
+)
 from attnsdk.adapters import sglang
 from attnsdk.adapters.sglang import SGLangAdapter, SGLangAttentionBackend, StepKind, step_kind
 from attnsdk.adapters.sglang.testing import (
@@ -201,11 +207,22 @@ def test_malformed_batches_name_the_field(change, field):
         adapter_of(batch).build_metadata(bad)
 
 
-def test_tree_verify_and_draft_decode_are_refused():
-    batch = make_sglang_batch(BatchSpec((2,), (9,)), LAYER, M.TARGET_VERIFY, page_size=16)
-    tree = dataclasses.replace(batch.forward_batch, spec_info=VerifyInput(2, topk=4))
-    with pytest.raises(UnsupportedConfigError, match="topk"):
-        adapter_of(batch).build_metadata(tree)
+def test_tree_verify_maps_custom_mask_to_the_drafts_tree_mask():
+    # Row 0: drafts 1 and 2 branch off 0; row 1: a chain. SGLang's custom_mask per row is
+    # D x (prefix + D); the metadata keeps the drafts' columns.
+    tree = tree_mask_from_parents([[-1, 0, 0], [-1, 0, 1]])
+    spec = BatchSpec((3, 3), (9, 20))
+    batch = make_sglang_batch(spec, LAYER, M.TARGET_VERIFY, page_size=16, tree_mask=tree)
+    custom = batch.forward_batch.spec_info.custom_mask
+    assert custom.numel() == 3 * 9 + 3 * 20  # D x (prefix + D) per row, prefixes 6 and 17
+    meta = adapter_of(batch).build_metadata(batch.forward_batch)
+    assert torch.equal(meta.tree_mask, tree)
+    meta.validate(16, reserved_page=None)  # every draft sees itself, page ids in place
+    chain = make_sglang_batch(spec, LAYER, M.TARGET_VERIFY, page_size=16)
+    assert adapter_of(chain).build_metadata(chain.forward_batch).tree_mask is None
+
+
+def test_draft_decode_is_refused():
     dec = make_sglang_batch(BatchSpec((1,), (9,)), LAYER, M.DECODE, page_size=16)
     draft = dataclasses.replace(dec.forward_batch, spec_info=VerifyInput(2))
     with pytest.raises(UnsupportedConfigError, match="spec_info"):

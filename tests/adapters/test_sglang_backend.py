@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from backend_variants import NoTreesBackend
 from sglang_dense import expected_step
 
 from attnsdk import (
@@ -21,12 +22,12 @@ from attnsdk import (
     LayerSpec,
     UnsupportedConfigError,
     create_backend,
+    tree_mask_from_parents,
 )
 from attnsdk.adapters.sglang import SGLangAttentionBackend
 from attnsdk.adapters.sglang.testing import (
     ForwardMode,
     MockRadixAttention,
-    VerifyInput,
     make_sglang_batch,
 )
 from attnsdk.testing import BatchSpec, tolerance
@@ -297,26 +298,52 @@ def test_keyword_arguments_at_their_defaults_are_accepted():
 class NgramVerifyInput:
     """SGLang's NGRAM verify input: a token tree, and no ``topk`` attribute."""
 
-    def __init__(self, draft_token_num):
+    def __init__(self, draft_token_num, custom_mask):
         self.draft_token_num = draft_token_num
-        self.custom_mask = None
+        self.custom_mask = custom_mask
 
 
-@pytest.mark.parametrize(
-    ("spec_info", "match"),
-    [
-        (NgramVerifyInput(3), "without topk"),
-        (VerifyInput(3, topk=4), "topk: expected 1"),
-    ],
-    ids=["ngram", "eagle-tree"],
-)
-def test_tree_verify_is_refused_never_served_as_a_chain(spec_info, match):
+TREES = [[-1, 0, 0, 1], [-1, 0, 1, 1]]  # per row: root, then branches; D = 4
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+@pytest.mark.parametrize("kind", ["eagle", "ngram"])
+def test_tree_verify_is_served_with_its_mask(kind, backend):
+    """EAGLE topk > 1 and NGRAM verify: the drafts see their ancestors, read from SGLang's
+    custom_mask by the oracle itself (not the adapter's gather), and the step differs from a
+    chain's."""
+    layer = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+    tree = tree_mask_from_parents(TREES)
+    spec = BatchSpec((4, 4), (21, 35))
+    batch = make_sglang_batch(spec, layer, M.TARGET_VERIFY, page_size=16, tree_mask=tree, seed=4)
+    if kind == "ngram":
+        eagle = batch.forward_batch.spec_info
+        ngram = NgramVerifyInput(eagle.draft_token_num, eagle.custom_mask)
+        batch = dataclasses.replace(
+            batch, forward_batch=dataclasses.replace(batch.forward_batch, spec_info=ngram)
+        )
+    expected = expected_step(batch, layer)
+    chain = make_sglang_batch(spec, layer, M.TARGET_VERIFY, page_size=16, seed=4)
+    chain_out = expected_step(chain, layer).out
+    out = run(batch, backend)
+    check(batch, layer, out, expected=expected)
+    assert float((expected.out - chain_out).abs().max()) > 1e-2  # the tree matters here
+
+
+def test_tree_verify_on_a_backend_without_tree_masks_is_refused_at_start_up():
     layer = LayerSpec(num_heads=2, num_kv_heads=1, head_dim=16)
-    batch = make_sglang_batch(BatchSpec((3, 3), (10, 12)), layer, M.TARGET_VERIFY, page_size=4)
-    fb = dataclasses.replace(batch.forward_batch, spec_info=spec_info)
-    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
-    with pytest.raises(UnsupportedConfigError, match=match):
-        dropin.init_forward_metadata(fb)
+    batch = make_sglang_batch(BatchSpec((1,), (10,)), layer, M.DECODE, page_size=4)
+    args = SimpleNamespace(speculative_algorithm="EAGLE", speculative_eagle_topk=4)
+    runner = SimpleNamespace(
+        **{
+            f.name: getattr(batch.model_runner, f.name)
+            for f in dataclasses.fields(batch.model_runner)
+        },
+        server_args=args,
+    )
+    with pytest.raises(UnsupportedConfigError, match="tree masks"):
+        SGLangAttentionBackend(runner, NoTreesBackend())
+    SGLangAttentionBackend(runner, "reference")  # serves trees: accepted
 
 
 def test_data_parallel_padded_extend_serves_the_real_tokens():

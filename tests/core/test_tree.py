@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from backend_variants import NoTreesBackend
 from fake_fa3 import CPUFA3, fake_fa3
 from oracle import run_oracle
 
@@ -77,17 +78,9 @@ def test_validate_wants_every_draft_token_to_see_itself() -> None:
 # -- who refuses what --------------------------------------------------------------------------
 
 
-class _NoTrees(ReferenceBackend):
-    name = "no-trees"
-    capabilities = dataclasses.replace(
-        ReferenceBackend.capabilities,
-        features=ReferenceBackend.capabilities.features - {A.Feature.TREE_MASK},
-    )
-
-
 def test_a_backend_without_tree_masks_refuses_the_step_at_plan() -> None:
     with pytest.raises(A.UnsupportedConfigError, match="tree verify") as err:
-        _NoTrees().plan(_meta(tree_mask_from_parents([[-1, 0, 0], [-1, 0]])))
+        NoTreesBackend().plan(_meta(tree_mask_from_parents([[-1, 0, 0], [-1, 0]])))
     assert [r.field for r in err.value.reasons] == ["tree_mask"]
 
 

@@ -219,16 +219,28 @@ def attend(backend: Any, layer: RadixAttention, q, k, v, fb: ForwardBatch, **kwa
 
 
 def oracle(
-    layer: RadixAttention, q: torch.Tensor, k_buf, v_buf, r2t, rows, seq_lens, query_lens, chunk
+    layer: RadixAttention,
+    q: torch.Tensor,
+    k_buf,
+    v_buf,
+    r2t,
+    rows,
+    seq_lens,
+    query_lens,
+    chunk,
+    custom_mask=None,
 ):
     """float64 attention of DESIGN §2, gathering keys through ``req_to_token`` (SGLang's own
     map): query b's tokens sit at the last ``query_lens[b]`` of ``seq_lens[b]`` positions.
-    ``chunk``: the model's chunk size, applied to ``use_irope`` layers (as SGLang's FA3 does)."""
+    ``chunk``: the model's chunk size, applied to ``use_irope`` layers (as SGLang's FA3 does).
+    ``custom_mask``: a verify's ``spec_info.custom_mask`` as SGLang lays it out, per request
+    ``query_lens[b] x seq_lens[b]`` booleans, row-major, requests after one another."""
     out = torch.zeros(sum(query_lens), HQ, D, dtype=torch.float64)
     qd = q[: out.shape[0]].double().view(-1, HQ, D)
     causal = layer.attn_type != AttentionType.ENCODER_ONLY
     window = layer.sliding_window_size + 1 if layer.sliding_window_size >= 0 else None
     start = 0
+    offset = 0
     for row, total, n in zip(rows, seq_lens, query_lens):
         slots = r2t[row, :total].long()
         keys = k_buf[slots].double().repeat_interleave(HQ // HKV, dim=1)
@@ -242,6 +254,10 @@ def oracle(
                 allowed = allowed & (kpos <= qpos + window - 1)
         if chunk is not None and layer.use_irope:
             allowed = allowed & (kpos // chunk == qpos // chunk)
+        if custom_mask is not None:
+            block = custom_mask[offset : offset + n * total].cpu().view(n, total)
+            allowed = allowed & block
+            offset += n * total
         scores = torch.einsum("nhd,lhd->hnl", qd[start : start + n], keys) * layer.scaling
         if layer.logit_cap > 0:
             scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
@@ -368,14 +384,26 @@ class RequestTable:
 
 
 def chain_verify_input(
-    items: list[tuple[Request, int]], *, topk: int = 1, cls: type = EagleVerifyInput
+    items: list[tuple[Request, int]],
+    *,
+    topk: int = 1,
+    cls: type = EagleVerifyInput,
+    parents: list[int] | None = None,
 ) -> Any:
-    """SGLang's ``EagleVerifyInput`` for a draft chain (a causal custom mask per request)."""
+    """SGLang's ``EagleVerifyInput`` for a draft chain (a causal custom mask per request), or
+    with ``parents`` (token i's parent among the drafts, -1 for a root) a draft tree: each
+    draft sees the prefix, its ancestors and itself."""
     n = items[0][1]
+    drafts = torch.ones(n, n, dtype=torch.bool).tril()
+    if parents is not None:
+        drafts = torch.eye(n, dtype=torch.bool)
+        for i, parent in enumerate(parents):
+            if parent >= 0:
+                drafts[i] |= drafts[parent]
     masks = []
     for req, _ in items:
         mask = torch.ones(n, req.length + n, dtype=torch.bool)
-        mask[:, req.length :] = torch.ones(n, n, dtype=torch.bool).tril()
+        mask[:, req.length :] = drafts
         masks.append(mask.flatten())
     seq = torch.tensor([r.length for r, _ in items])
     return cls(
@@ -417,7 +445,13 @@ def expected_step(layer, qkv, buffers, r2t, fb: ForwardBatch, query_lens, seq_le
     k_buf[loc] = k[:n].view(n, HKV, D).to(k_buf.dtype)
     v_buf[loc] = v[:n].view(n, HKV, D).to(v_buf.dtype)
     rows = fb.req_pool_indices[: len(query_lens)].tolist()
-    return oracle(layer, q, k_buf, v_buf, r2t, rows, seq_lens, query_lens, chunk), k_buf, v_buf
+    # A tree verify (EAGLE topk > 1; NGRAM, which has no topk) is what its custom mask says; a
+    # chain's mask is causal, and a captured chain's mask buffer is not read at all.
+    topk = getattr(fb.spec_info, "topk", None)
+    tree = fb.forward_mode.is_target_verify() and (topk is None or topk > 1)
+    mask = fb.spec_info.custom_mask if tree else None
+    out = oracle(layer, q, k_buf, v_buf, r2t, rows, seq_lens, query_lens, chunk, mask)
+    return out, k_buf, v_buf
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -443,9 +477,9 @@ class Engine:
         self.gen = torch.Generator().manual_seed(page_size)
         self.tol = tolerance(dtype)
 
-    def run(self, fb, *, native: bool = True, query_lens=None, seq_lens=None):
-        """One step of every layer; ``query_lens`` / ``seq_lens`` (after the step) default to
-        the batch's extend lengths / ``seq_lens``."""
+    def run(self, fb, *, native: bool = True, query_lens=None, seq_lens=None, layers=None):
+        """One step of every layer (or of the ``layers`` indices); ``query_lens`` / ``seq_lens``
+        (after the step) default to the batch's extend lengths / ``seq_lens``."""
         bs = fb.batch_size
         query_lens = query_lens or (fb.extend_seq_lens_cpu or [1] * bs)[:bs]
         seq_lens = seq_lens or fb.seq_lens_cpu[:bs].tolist()
@@ -460,7 +494,9 @@ class Engine:
             twin_fb = twin_batch(fb, self.twin)
             self.native.init_forward_metadata(twin_fb)
         outs = []
-        for layer, buffers in zip(self.layers, before):
+        for i, (layer, buffers) in enumerate(zip(self.layers, before)):
+            if layers is not None and i not in layers:
+                continue
             qkv = random_qkv(fb.out_cache_loc.shape[0], self.pools.dtype, self.gen)
             want, want_k, want_v = expected_step(
                 layer, qkv, buffers, r2t, fb, query_lens, seq_lens, self.chunk

@@ -5,8 +5,8 @@ The drop-in is registered as ``"attnsdk"`` (real_sglang.py); the kit builds it t
 subclass) and compares with its own reference: every dense case (``make_dense_cases`` and the
 sliding-window cases) in fp16 and bf16, its CUDA-graph decode flow (capture, warm-up,
 ``on_after_cuda_graph_warmup``, a padded replay, against reference and eager), and its
-speculative verify flows: EAGLE chains, DFlash and frozen-KV MTP are served; EAGLE trees
-(topk 2) and NGRAM are refused with ``UnsupportedConfigError``. A case the kit would skip fails
+speculative verify flows: EAGLE chains, DFlash, frozen-KV MTP, EAGLE trees (topk 2) and NGRAM
+trees, against the kit's own reference with its custom masks. A case the kit would skip fails
 here. 0.5.12.post1 ships no kit: there each test asserts its absence.
 """
 
@@ -21,7 +21,6 @@ from real_sglang import DROPIN, NEW_HOOKS
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from attnsdk import UnsupportedConfigError
 from attnsdk.adapters.sglang import SGLangAttentionBackend
 
 KIT = "sglang.test.kits.attention_unittest"
@@ -95,21 +94,16 @@ def test_kit_cuda_graph_decode(case, built):
     assert [type(b) for b in built] == [SGLangAttentionBackend] * 2  # eager, then graph
 
 
-VERIFY = [
-    ("eagle", 1, True),
-    ("dflash", 1, True),
-    ("frozen_kv_mtp", 1, True),
-    ("eagle", 2, False),
-    ("ngram", 1, False),
-]  # (kind, topk, served)
+VERIFY = [("eagle", 1), ("dflash", 1), ("frozen_kv_mtp", 1), ("eagle", 2), ("ngram", 1)]
+"""(kind, topk): topk 2 and NGRAM are draft trees."""
 
 
 @pytest.mark.parametrize(
-    ("kind", "topk", "served"),
-    VERIFY if NEW_HOOKS else [(None, 0, False)],
-    ids=[f"{k}-topk{t}" for k, t, _ in VERIFY] if NEW_HOOKS else ["no-kit-in-0.5.12"],
+    ("kind", "topk"),
+    VERIFY if NEW_HOOKS else [(None, 0)],
+    ids=[f"{k}-topk{t}" for k, t in VERIFY] if NEW_HOOKS else ["no-kit-in-0.5.12"],
 )
-def test_kit_spec_verify(kind, topk, served, built):
+def test_kit_spec_verify(kind, topk, built):
     if kind is None:
         assert importlib.util.find_spec(KIT) is None, "0.5.12.post1 has no attention kit"
         return
@@ -131,10 +125,6 @@ def test_kit_spec_verify(kind, topk, served, built):
         extend_lens=(3, 3),
     )
     kwargs = dict(topk=topk, spec_kind=kind, device="cpu", dtype=torch.bfloat16)
-    if served:
-        sv.run_dense_spec_verify_case(StrictCase(), case, **kwargs)
-    else:
-        with pytest.raises(UnsupportedConfigError, match=r"tree"):
-            sv.run_dense_spec_verify_case(StrictCase(), case, **kwargs)
+    sv.run_dense_spec_verify_case(StrictCase(), case, **kwargs)
     assert built
     assert all(type(b) is SGLangAttentionBackend for b in built)

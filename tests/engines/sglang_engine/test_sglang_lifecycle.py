@@ -12,14 +12,15 @@ At every step and layer the output and the *whole* K and V buffers must equal a 
 written from DESIGN §2 and, where SGLang's ``TorchNativeAttnBackend`` serves the step, that
 backend run on a twin pool (not in TARGET_VERIFY; not for the softcap layer, whose ``logit_cap``
 it ignores, nor on 0.5.12 for the window layer). The IDLE batch must not reach the attnsdk
-backend at all. Tree verify (NGRAM, EAGLE topk > 1), at start-up and per batch, and forward
-keywords SGLang passes with non-default values (fp8 descales, ...) are refused, never computed
-as something else; every keyword at its default is accepted, and ``return_lse=True`` returns
+backend at all. Tree verify (NGRAM, EAGLE topk > 1) is served with SGLang's custom mask (and
+refused at start-up by a backend without tree masks); forward keywords SGLang passes with
+non-default values (fp8 descales, ...) are refused, never computed as something else; every keyword at its default is accepted, and ``return_lse=True`` returns
 ``(output, lse)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -42,8 +43,9 @@ from real_sglang import (
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from attnsdk import UnsupportedConfigError
+from attnsdk import Feature, UnsupportedConfigError
 from attnsdk.adapters.sglang import SGLangAttentionBackend
+from attnsdk.backends.reference import ReferenceBackend
 
 M = ForwardMode
 
@@ -182,31 +184,51 @@ def engine():
     return e, req
 
 
-def test_tree_verify_is_refused(engine):
-    """NGRAM verify (no topk: always a tree) and EAGLE topk > 1 are refused, not run as chains."""
+@pytest.mark.parametrize("kind", ["ngram", "eagle-topk2"])
+def test_tree_verify_is_served(engine, kind):
+    """NGRAM verify (no topk: always a tree) and EAGLE topk > 1: each draft sees the prefix, its
+    ancestors and itself, as the batch's ``custom_mask`` says (the oracle reads SGLang's mask
+    itself; a chain would see drafts 1 and 2 from drafts 2 and 3), on the causal layers (GQA,
+    softcap)."""
     e, req = engine
     items = [(req, 4)]
+    eagle = chain_verify_input(items, topk=2, parents=[-1, 0, 0, 2])
     ngram = NgramVerifyInput(  # positional: 0.5.12 names the mask tree_mask, 0.5.23 custom_mask
         torch.zeros(4, dtype=torch.int64),
-        torch.ones(4 * 13, dtype=torch.bool),
+        eagle.custom_mask,
         torch.arange(9, 13),
         torch.arange(4).view(1, 4),
         torch.full((1, 4), -1),
         torch.full((1, 4), -1),
         4,
     )
-    for spec_info in (ngram, chain_verify_input(items, topk=2)):
-        fb = e.table.batch(M.TARGET_VERIFY, items, spec_info=spec_info)
-        with pytest.raises(UnsupportedConfigError, match=r"tree|topk"):
-            e.dropin.init_forward_metadata(fb)
+    fb = e.table.batch(M.TARGET_VERIFY, items, spec_info=ngram if kind == "ngram" else eagle)
+    e.run(fb, native=False, query_lens=[4], seq_lens=[req.length + 4], layers=[0, 2])
+    # A window or a non-causal layer has no meaning over a tree's positions: refused, unwritten.
+    before = [(k.clone(), v.clone()) for k, v in e.pools.buffers()]
+    for layer in (e.layers[1], e.layers[3]):
+        with pytest.raises(UnsupportedConfigError, match="tree"):
+            attend(e.dropin, layer, *random_qkv(4, torch.bfloat16, e.gen), fb)
+    assert all(torch.equal(x, y) for pair in zip(e.pools.buffers(), before) for x, y in zip(*pair))
+
+
+class NoTrees(ReferenceBackend):
+    """The reference without tree masks (as flashinfer)."""
+
+    name = "no-trees"
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities,
+        features=ReferenceBackend.capabilities.features - {Feature.TREE_MASK},
+    )
 
 
 @pytest.mark.parametrize(("algorithm", "topk"), [("NGRAM", None), ("EAGLE", 4)])
-def test_tree_speculation_is_refused_at_start_up(algorithm, topk):
+def test_tree_speculation_needs_a_backend_with_tree_masks(algorithm, topk):
     pools = Pools(16, torch.bfloat16)
     args = SimpleNamespace(speculative_algorithm=algorithm, speculative_eagle_topk=topk)
-    with pytest.raises(UnsupportedConfigError, match="tree"):
-        create_backend(EngineRunner(pools, server_args=args), DROPIN)
+    create_backend(EngineRunner(pools, server_args=args), DROPIN)  # the reference: served
+    with pytest.raises(UnsupportedConfigError, match="tree masks"):
+        SGLangAttentionBackend(EngineRunner(pools, server_args=args), NoTrees())
 
 
 def test_forward_keywords(engine):

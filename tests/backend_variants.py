@@ -1,0 +1,18 @@
+"""Backends that differ from the reference in what they declare, for refusal tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from attnsdk import Feature
+from attnsdk.backends.reference import ReferenceBackend
+
+
+class NoTreesBackend(ReferenceBackend):
+    """The reference without ``Feature.TREE_MASK`` (like flashinfer): tree steps are refused."""
+
+    name = "no-trees"
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities,
+        features=ReferenceBackend.capabilities.features - {Feature.TREE_MASK},
+    )
