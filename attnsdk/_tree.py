@@ -148,7 +148,8 @@ class TreePasses:
     """A tree verify step as two plain steps (module docstring); built once per plan."""
 
     context: AttentionMetadata
-    """The step with each sequence's keys cut to its context (run non-causal)."""
+    """The step with each sequence's keys cut to its context (run non-causal). Not a step of
+    the contract: a sequence may have more queries than keys, so only kernels read it."""
     drafts: AttentionMetadata
     """One sequence per query row over its visible new tokens, on pages of one token (run
     non-causal over ``token_pool`` views). Its host twins are upper bounds (new token i sees
