@@ -21,6 +21,7 @@ for suite in decode prefill mixed; do
 done
 step plan python -m benchmarks.bench_plan --out "$out"
 step overhead python -m benchmarks.bench_overhead --out "$out"
+step tree python -m benchmarks.bench_tree --out "$out"
 step plot python -m benchmarks.plot "$out"
 echo "results in $out"
 if (( ${#failed[@]} )); then

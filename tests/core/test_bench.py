@@ -214,3 +214,21 @@ def test_benchmark_scripts_use_no_sdk_internals(path: Path) -> None:
     }
     assert private == set()
     assert "sys.path" not in path.read_text()
+
+
+def test_tree_benchmark_runs_on_cpu_and_checks_its_output(tmp_path: Path) -> None:
+    """benchmarks/bench_tree.py on the CPU backends: a row per backend and case, the tree's
+    output checked against the reference, JSON and PNG written."""
+    import json
+
+    from benchmarks import bench_tree
+
+    bench_tree.main(["--quick", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "tree.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["reference", "flex"]
+    for row in rows:
+        assert row["max_abs_err"] < 1e-4
+        assert row["tree_us"] > 0
+        assert row["chain_us"] > 0
+        assert row["tree_over_chain"] == row["tree_us"] / row["chain_us"]
+    assert (tmp_path / "tree.png").stat().st_size > 0

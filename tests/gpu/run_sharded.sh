@@ -3,6 +3,7 @@
 #
 #   bash tests/gpu/run_sharded.sh                 # tests only (~4 min with FlashInfer JIT)
 #   BENCH=1 bash tests/gpu/run_sharded.sh         # then attnsdk bench (decode, prefill, mixed)
+#                                                 # and benchmarks/bench_tree.py
 #   ENGINE=1 bash tests/gpu/run_sharded.sh        # then examples/mini_engine.py and the
 #                                                 # end-to-end benchmarks/bench_engine.py
 #   SHARDS="flex_lse models" bash tests/gpu/run_sharded.sh   # only the shards named
@@ -66,6 +67,9 @@ if [ "${BENCH:-0}" = 1 ]; then
             > "$OUT/bench_$suite.txt" 2>&1 || status=1
         tail -22 "$OUT/bench_$suite.txt"
     done
+    timeout 200 python -m benchmarks.bench_tree --out "$OUT/tree" > "$OUT/bench_tree.txt" 2>&1 \
+        || status=1
+    tail -8 "$OUT/bench_tree.txt"
 fi
 if [ "${ENGINE:-0}" = 1 ]; then
     timeout 60 python examples/mini_engine.py > "$OUT/mini_engine.txt" 2>&1 || status=1
