@@ -34,8 +34,9 @@ from attnsdk._capabilities import (
     default_device,
     device_reasons,
     lse_capability_reasons,
-    tree_capability_reasons,
+    step_capability_reasons,
 )
+from attnsdk._cross import cross_reasons
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVCacheLayout
@@ -234,14 +235,13 @@ class BackendBase(GraphHooks):
 
     def plan(self, meta: AttentionMetadata) -> Plan:
         """Check ``meta`` on the host (no device sync), then ``make_plan``. A step with a
-        ``tree_mask`` is refused unless ``Feature.TREE_MASK`` is declared."""
+        ``tree_mask`` or ``cross_attention`` is refused unless the backend declares the feature."""
         check_metadata(meta)
-        if meta.tree_mask is not None:
-            reasons = tree_capability_reasons(self.capabilities)
-            if reasons:
-                raise UnsupportedConfigError(
-                    f"the {self.name} backend cannot serve a tree verify step:", reasons
-                )
+        reasons = step_capability_reasons(self.capabilities, meta)
+        if reasons:
+            raise UnsupportedConfigError(
+                f"the {self.name} backend cannot serve this step:", reasons
+            )
         return self.make_plan(meta)
 
     def make_plan(self, meta: AttentionMetadata) -> Plan:
@@ -283,6 +283,19 @@ class BackendBase(GraphHooks):
                 raise UnsupportedConfigError(
                     "this layer cannot run in a tree verify step (a step with a tree_mask):",
                     reasons,
+                )
+        if plan.metadata.cross_attention:
+            if k is not None or v is not None:
+                raise InvalidInputError(
+                    "k/v",
+                    "None in a cross-attention step (write the encoder's K/V beforehand, e.g. "
+                    "with KVCache.store)",
+                    "tensors",
+                )
+            reasons = cross_reasons(layer)
+            if reasons:
+                raise UnsupportedConfigError(
+                    "this layer cannot run in a cross-attention step:", reasons
                 )
         key = (layer, cache.layout)
         try:

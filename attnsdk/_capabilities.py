@@ -13,6 +13,7 @@ from attnsdk._kv import FP8_KV_DTYPES, KVCacheLayout, KVOrder
 
 if TYPE_CHECKING:
     from attnsdk._layer import LayerSpec
+    from attnsdk._metadata import AttentionMetadata
 
 __all__ = [
     "Capabilities",
@@ -55,9 +56,10 @@ class Reason:
 class Feature(str, enum.Enum):
     """Optional semantics of DESIGN §2 that a backend may or may not implement.
 
-    All but ``LSE`` and ``TREE_MASK`` are properties of a layer (``capability_reasons`` checks
-    them against a ``LayerSpec``); ``LSE`` is asked per call, by passing ``lse=`` to
-    ``forward``, and ``TREE_MASK`` per step, by a plan of metadata with a ``tree_mask``.
+    All but ``LSE``, ``TREE_MASK`` and ``CROSS_ATTENTION`` are properties of a layer
+    (``capability_reasons`` checks them against a ``LayerSpec``); ``LSE`` is asked per call, by
+    passing ``lse=`` to ``forward``, and the other two per step, by a plan of metadata with a
+    ``tree_mask`` or ``cross_attention`` (``step_capability_reasons``).
     """
 
     GQA = "gqa"
@@ -73,6 +75,8 @@ class Feature(str, enum.Enum):
     """``LayerSpec.attention_chunk_size``: queries see only keys of their own chunk."""
     TREE_MASK = "tree_mask"
     """``AttentionMetadata.tree_mask``: speculative-tree verify steps (``attnsdk._tree``)."""
+    CROSS_ATTENTION = "cross_attention"
+    """``AttentionMetadata.cross_attention``: steps over an encoder's keys (``attnsdk._cross``)."""
 
 
 class GraphSupport(enum.IntEnum):
@@ -242,12 +246,17 @@ def lse_capability_reasons(caps: Capabilities) -> list[Reason]:
     return [Reason(ReasonKind.CONFIGURATION, "lse", "is not supported by this backend")]
 
 
-def tree_capability_reasons(caps: Capabilities) -> list[Reason]:
-    """Why a step with a ``tree_mask`` is refused by what ``caps`` declares; [] with
-    ``Feature.TREE_MASK``."""
-    if Feature.TREE_MASK in caps.features:
-        return []
-    return [Reason(ReasonKind.BATCH, "tree_mask", "is not supported by this backend")]
+def step_capability_reasons(caps: Capabilities, meta: AttentionMetadata) -> list[Reason]:
+    """Why a step is refused by what ``caps`` declares: a ``tree_mask`` without
+    ``Feature.TREE_MASK``, ``cross_attention`` without ``Feature.CROSS_ATTENTION``."""
+    reasons = []
+    if meta.tree_mask is not None and Feature.TREE_MASK not in caps.features:
+        reasons.append(Reason(ReasonKind.BATCH, "tree_mask", "is not supported by this backend"))
+    if meta.cross_attention and Feature.CROSS_ATTENTION not in caps.features:
+        reasons.append(
+            Reason(ReasonKind.BATCH, "cross_attention", "is not supported by this backend")
+        )
+    return reasons
 
 
 _FEATURE_FIELDS = {Feature.CHUNKED_LOCAL: "attention_chunk_size"}

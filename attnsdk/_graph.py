@@ -209,9 +209,10 @@ class GraphHooks:
         # The graph's page size is known here: a page table too narrow for it is refused
         # rather than padded with the reserved page.
         check_metadata(meta, plan.graph.page_size)
-        if meta.tree_mask is not None:
+        if meta.tree_mask is not None or meta.cross_attention:
+            field = "tree_mask" if meta.tree_mask is not None else "cross_attention"
             raise UnsupportedConfigError(
-                "a tree verify step cannot be replayed from a CUDA graph:",
-                [Reason(ReasonKind.BATCH, "tree_mask", "the graph buffers carry no tree mask")],
+                "this step cannot be replayed from a CUDA graph:",
+                [Reason(ReasonKind.BATCH, field, "the graph buffers do not carry it")],
             )
         plan.graph.replay_update(plan.metadata, meta)

@@ -67,6 +67,13 @@ class AttentionMetadata:
     of its sequence sees every key before the sequence's new tokens, and new token j <= i
     exactly when ``tree_mask[t, j]`` (a token's ancestors and itself). Entries j > i and rows
     past T are not read. See docs/kv_layout.md, "Tree verify"."""
+    cross_attention: bool = False
+    """True: the keys are another sequence's, an encoder's output written by an earlier step
+    (encoder-decoder cross-attention). Every query row of sequence b sees keys
+    ``0 .. seq_lens[b] - 1`` of b whatever its own position, so a sequence may have more queries
+    than keys (``seq_lens[b] == 0``: its rows are zero); ``forward`` writes nothing (k = v =
+    None; ``slot_mapping`` holds -1). Non-causal layers without a window or chunks only. See
+    docs/kv_layout.md, "Cross-attention"."""
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +98,7 @@ class AttentionMetadata:
         page_size: int,
         device: torch.device | str | None = None,
         tree_mask: torch.Tensor | None = None,
+        cross_attention: bool = False,
     ) -> AttentionMetadata:
         """Build metadata from host lengths and a page table, deriving ``slot_mapping``.
 
@@ -98,7 +106,8 @@ class AttentionMetadata:
         (B, W) tensor or nested list; ``device`` defaults to the page table's device (CPU for a
         list). Token j of sequence b is written at position ``seq_lens[b] - query_lens[b] + j``.
         ``tree_mask`` (see the field; ``tree_mask_from_parents`` builds one) is moved to
-        ``device``.
+        ``device``. ``cross_attention``: ``seq_lens`` are encoder lengths, which the query
+        lengths may exceed, and the slot mapping is -1 (the step writes nothing).
         """
         q = _host_ints("query_lens", query_lens)
         s = _host_ints("seq_lens", seq_lens)
@@ -108,7 +117,7 @@ class AttentionMetadata:
             )
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidMetadataError("page_size", "a positive int", repr(page_size))
-        _check_lengths(q, s)
+        _check_lengths(q, s, cross_attention)
         pt = _page_table(page_table)
         device = pt.device if device is None else check_device("device", device)
         if pt.dim() != 2 or pt.shape[0] != s.shape[0]:
@@ -126,10 +135,13 @@ class AttentionMetadata:
             raise InvalidMetadataError(f"page_table[{b}, {i}]", ">= 0", int(pt[b, i]))
         qsl_cpu = torch.zeros(q.shape[0] + 1, dtype=torch.int32)
         torch.cumsum(q, 0, out=qsl_cpu[1:])
-        seq_of_token, pos = token_positions(qsl_cpu, s)
         pt_dev = pt.to(device)
-        pages = pt_dev[seq_of_token.to(device), (pos // page_size).to(device)].long()
-        slot_mapping = pages * page_size + (pos % page_size).to(device)
+        if cross_attention:
+            slot_mapping = torch.full((int(qsl_cpu[-1]),), -1, dtype=torch.int64, device=device)
+        else:
+            seq_of_token, pos = token_positions(qsl_cpu, s)
+            pages = pt_dev[seq_of_token.to(device), (pos // page_size).to(device)].long()
+            slot_mapping = pages * page_size + (pos % page_size).to(device)
         return cls(
             query_start_loc=qsl_cpu.to(device),
             seq_lens=s.to(device),
@@ -142,6 +154,7 @@ class AttentionMetadata:
             max_seq_len=int(s.max()) if s.numel() else 0,
             page_size=page_size,
             tree_mask=None if tree_mask is None else _tree_mask(tree_mask).to(device),
+            cross_attention=_flag("cross_attention", cross_attention),
         )
 
     @classmethod
@@ -158,6 +171,7 @@ class AttentionMetadata:
         max_seq_len: int | None = None,
         page_size: int | None = None,
         tree_mask: torch.Tensor | None = None,
+        cross_attention: bool = False,
     ) -> AttentionMetadata:
         """Adopt an engine's tensors as they are (no copy when dtypes already match).
 
@@ -206,6 +220,7 @@ class AttentionMetadata:
             max_seq_len=max_seq_len,
             page_size=page_size,
             tree_mask=None if tree_mask is None else _tree_mask(tree_mask),
+            cross_attention=_flag("cross_attention", cross_attention),
         )
 
     def validate(
@@ -307,11 +322,20 @@ def _host_ints(field: str, values: IntsLike) -> torch.Tensor:
     return t.to(torch.int32)
 
 
-def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def _flag(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidMetadataError(field, "a bool", repr(value))
+    return value
+
+
+def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor, cross: bool) -> None:
     if bool((query_lens < 0).any()):
         b = int(torch.nonzero(query_lens < 0)[0])
         raise InvalidMetadataError(f"query_lens[{b}]", ">= 0", int(query_lens[b]))
-    if bool((query_lens > seq_lens).any()):
+    if cross and bool((seq_lens < 0).any()):
+        b = int(torch.nonzero(seq_lens < 0)[0])
+        raise InvalidMetadataError(f"seq_lens[{b}]", ">= 0 (encoder keys)", int(seq_lens[b]))
+    if not cross and bool((query_lens > seq_lens).any()):
         b = int(torch.nonzero(query_lens > seq_lens)[0])
         raise InvalidMetadataError(
             f"seq_lens[{b}]",

@@ -49,6 +49,9 @@ def check_metadata(meta: AttentionMetadata, page_size: int | None = None) -> Non
     # [query_start_loc[0], min query len, min (seq_len - query len), max query len, max seq_len,
     #  query_start_loc[-1]]. Only a failure pays for the diagnosis below.
     first, min_q, min_slack, max_q, max_s, owned = _host_stats(qsl, seq)
+    cross = meta.cross_attention
+    if cross:  # encoder keys: a sequence may have more queries than keys
+        min_slack = int(seq.min())
     p = page_size or meta.page_size
     too_narrow = p is not None and meta.page_table.shape[1] * p < max_s
     if (
@@ -67,7 +70,10 @@ def check_metadata(meta: AttentionMetadata, page_size: int | None = None) -> Non
     _first_bad("query_start_loc", qlen < 0, "non-decreasing", qsl[1:], offset=1)
     if meta.num_tokens < owned:
         raise InvalidMetadataError("num_tokens", f">= query_start_loc[-1]={owned}", meta.num_tokens)
-    _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
+    if cross:
+        _first_bad("seq_lens", seq < 0, ">= 0 (encoder keys)", seq)
+    else:
+        _first_bad("seq_lens", seq < qlen, ">= the sequence's query length", seq)
     if meta.max_query_len < max_q:
         raise InvalidMetadataError("max_query_len", f">= {max_q}", meta.max_query_len)
     if meta.max_seq_len < max_s:
@@ -145,6 +151,9 @@ def validate_metadata(
         if sliding_window is not None or attention_chunk_size is not None:
             used = used & _read(meta, pt.shape[1], page_size, sliding_window, attention_chunk_size)
         _check_reserved_page(meta, pt, used, slots, reserved_page, page_size)
+    if meta.cross_attention:  # the encoder's keys were written before; nothing is written now
+        _first_bad("slot_mapping", slots >= 0, "< 0 (a cross-attention step writes nothing)", slots)
+        return
     _first_bad(
         "slot_mapping",
         slots[owned:] >= 0,
@@ -287,6 +296,12 @@ def _check_scalars(meta: AttentionMetadata) -> None:
     p = meta.page_size
     if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
         raise InvalidMetadataError("page_size", "a positive int or None", repr(p))
+    if not isinstance(meta.cross_attention, bool):
+        raise InvalidMetadataError("cross_attention", "a bool", repr(meta.cross_attention))
+    if meta.cross_attention and meta.tree_mask is not None:
+        raise InvalidMetadataError(
+            "tree_mask", "None in a cross-attention step (drafts see their own tokens)", "a mask"
+        )
 
 
 def _check_host_twins(meta: AttentionMetadata) -> None:

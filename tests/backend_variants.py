@@ -16,3 +16,13 @@ class NoTreesBackend(ReferenceBackend):
         ReferenceBackend.capabilities,
         features=ReferenceBackend.capabilities.features - {Feature.TREE_MASK},
     )
+
+
+class NoCrossBackend(ReferenceBackend):
+    """The reference without ``Feature.CROSS_ATTENTION`` (like flashinfer)."""
+
+    name = "no-cross"
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities,
+        features=ReferenceBackend.capabilities.features - {Feature.CROSS_ATTENTION},
+    )

@@ -217,6 +217,7 @@ def run_oracle(batch: Batch, *, write: bool = True) -> Expected:
     meta = batch.metadata
     cache = batch.cache
     order = cache.layout.kv_order.value
+    write = write and not meta.cross_attention  # cross-attention reads the encoder's keys
     kc, vc = cache_after_writes(
         cache.k,
         cache.v,

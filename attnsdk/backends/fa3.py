@@ -225,8 +225,11 @@ class FA3Backend(DeviceStoreBackend):
     # -- per step ---------------------------------------------------------------------------
 
     def make_plan(self, meta: AttentionMetadata) -> FA3Plan:
-        # FA3 reads the metadata tensors as they are; only chunked layers need another batch.
+        # FA3 reads the metadata tensors as they are; chunked layers need another batch, and a
+        # tree step its two passes.
         plan = FA3Plan(meta, tree=None if meta.tree_mask is None else tree_passes(meta))
+        if meta.tree_mask is not None or meta.cross_attention:
+            return plan  # chunked layers are refused in these steps
         for chunk, page_size in prepared_chunks(self.prepared, meta):
             plan.virtual[(chunk, page_size)] = virtual_metadata(meta, chunk, page_size)
         return plan

@@ -209,7 +209,7 @@ class FlashInferBackend(DeviceStoreBackend):
         head_dim_multiple=16,
         orders=frozenset(KVOrder),
         min_compute_capability=(8, 0),
-        features=frozenset(Feature) - {Feature.TREE_MASK},
+        features=frozenset(Feature) - {Feature.TREE_MASK, Feature.CROSS_ATTENTION},
         graph_support=GraphSupport.ANY_BATCH,
     )
     Options = FlashInferOptions

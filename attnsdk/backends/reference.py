@@ -83,7 +83,11 @@ class ReferenceBackend(BackendBase):
         ws_v = torch.empty(layer.num_kv_heads, longest, layer.v_dim, device=q.device)
         for b, seq_len in enumerate(seq_lens):
             q0, q1 = qsl[b], qsl[b + 1]
-            if q1 > q0:
+            if q1 > q0 and seq_len == 0:  # queries without keys (cross-attention): zeros
+                out[q0:q1] = 0
+                if lse is not None:
+                    lse[q0:q1] = float("-inf") if sinks is None else sinks.float()
+            elif q1 > q0:
                 p = cache.layout.page_size
                 pages = meta.page_table[b, : (seq_len + p - 1) // p].long()
                 kb = _head_major(cache.k_nhd, pages, seq_len, k_scale, ws_k)

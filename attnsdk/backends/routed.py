@@ -332,9 +332,9 @@ class RoutedBackend:
         self._served = set()
         self._lse_served = set()
         # Graphs run on the decode route: its capabilities (graph support too) are ours, but
-        # lse= and tree masks are served only where every route serves them.
+        # lse=, tree masks and cross-attention are served only where every route serves them.
         caps = self._backends["decode"].capabilities
-        for feature in (Feature.LSE, Feature.TREE_MASK):
+        for feature in (Feature.LSE, Feature.TREE_MASK, Feature.CROSS_ATTENTION):
             if any(feature not in b.capabilities.features for b in self._backends.values()):
                 caps = dataclasses.replace(caps, features=caps.features - {feature})
         self.capabilities = caps

@@ -95,10 +95,12 @@ class Batch:
         # lse= only when asked for: a backend written before it (the protocol, not
         # BackendBase) still runs.
         extra = {} if lse is None else {"lse": lse}
+        # A cross-attention step reads the encoder's keys already in the cache; it writes none.
+        write = not self.metadata.cross_attention
         result = backend.forward(
             self.q,
-            self.k,
-            self.v,
+            self.k if write else None,
+            self.v if write else None,
             cache,
             plan,
             self.layer,
@@ -162,7 +164,8 @@ def make_batch(
     Page 0 is reserved for padding rows; ``spare_pages`` unused pages make out-of-range reads
     visible. Values are drawn from a generator seeded with ``seed`` (on the CPU, then moved).
     ``tree``: the new tokens of each sequence form a random draft tree (the metadata's
-    ``tree_mask``; token i's parent drawn from -1 .. i - 1, half of them i - 1).
+    ``tree_mask``; token i's parent drawn from -1 .. i - 1, half of them i - 1). A ``spec.cross``
+    batch is a cross-attention step: the cache holds the encoder's keys, ``run`` writes none.
 
     >>> from attnsdk import KVCacheLayout, LayerSpec
     >>> from attnsdk.testing import BatchSpec
@@ -188,7 +191,13 @@ def make_batch(
         table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
     mask = _random_tree(spec.query_lens, gen) if tree else None
     meta = AttentionMetadata.from_seqlens(
-        spec.query_lens, spec.seq_lens, table, p, device=device, tree_mask=mask
+        spec.query_lens,
+        spec.seq_lens,
+        table,
+        p,
+        device=device,
+        tree_mask=mask,
+        cross_attention=spec.cross,
     )
     if any(spec.padded):
         pad_tokens = torch.repeat_interleave(

@@ -60,6 +60,10 @@ FEATURES: dict[str, FeatureCase] = {
     "chunked-noncausal": FeatureCase({**_GQA, "causal": False, "attention_chunk_size": 32}),
     "chunked-sinks": FeatureCase({**_GQA, "attention_chunk_size": 32, "has_sinks": True}),
     "chunked-24": FeatureCase({**_GQA, "attention_chunk_size": 24}),
+    "noncausal-sinks-softcap": FeatureCase(
+        {**_GQA, "causal": False, "has_sinks": True, "softcap": 3.0}
+    ),
+    "fp8-noncausal": FeatureCase({**_GQA, "causal": False}, kv_dtype=_E4M3),
 }
 """Feature name -> case. "mha" is the plain layer of the preset cases; "gqa" of the others.
 "chunked-24" is not a multiple of the usual page sizes, which virtual-batch backends refuse."""
@@ -88,6 +92,8 @@ _LSE_TOLERANCE = (5e-3, 1e-3)
 """(atol, rtol) of the log-sum-exp: fp32 from the same inputs on both sides; the slack covers
 approximate exp2 / tanh (softcap) instructions. A missing sink term or a base-2 value misses it
 by far more (the sink cases check that sinks move the lse by 10 * atol at least)."""
+_CROSS_FEATURES = ("noncausal", "noncausal-sinks-softcap", "fp8-noncausal")
+"""Layers a cross-attention step runs on (non-causal, no window, no chunks: ``attnsdk._cross``)."""
 _TREE_FEATURES = ("gqa", "mqa", "softcap", "sinks", "v-head-dim", "fp8-e4m3")
 """Layers a tree verify step runs on (causal, no window, no chunks: ``attnsdk._tree``)."""
 _TREE_PRESETS = ("verify", "mixed", "prefill", "empty_rows")

@@ -16,6 +16,8 @@ class BatchSpec:
 
     ``padded[b]`` marks a CUDA-graph padding row: its page-table row points at the reserved
     page 0 and its tokens write nothing. Zero-length rows (query_len 0) need no flag.
+    ``cross``: a cross-attention step (``AttentionMetadata.cross_attention``): ``seq_lens`` are
+    the encoder's lengths, which a sequence's queries may outnumber.
 
     >>> spec = BatchSpec.mixed(seed=1)
     >>> spec.num_seqs == len(spec.query_lens) and spec.num_tokens == sum(spec.query_lens)
@@ -26,6 +28,7 @@ class BatchSpec:
     seq_lens: tuple[int, ...]
     name: str = "custom"
     padded: tuple[bool, ...] = ()
+    cross: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "query_lens", tuple(int(x) for x in self.query_lens))
@@ -37,7 +40,7 @@ class BatchSpec:
         for b, (q, s) in enumerate(zip(self.query_lens, self.seq_lens)):
             if q < 0:
                 raise InvalidMetadataError(f"query_lens[{b}]", ">= 0", q)
-            if s < q:
+            if s < q and not self.cross:
                 raise InvalidMetadataError(f"seq_lens[{b}]", f">= query_lens[{b}]={q}", s)
         padded = tuple(bool(p) for p in self.padded) or (False,) * len(self.seq_lens)
         if len(padded) != len(self.seq_lens):
@@ -64,6 +67,7 @@ class BatchSpec:
             self.seq_lens + (max(query_len, 1),) * rows,
             f"{self.name}+padding",
             self.padded + (True,) * rows,
+            self.cross,
         )
 
     # Presets: the batch shapes serving engines produce. ``seed`` varies the lengths.
@@ -115,6 +119,20 @@ class BatchSpec:
         r = random.Random(seed)
         s = [draft_tokens + r.randint(1, max_context) for _ in range(batch_size)]
         return cls((draft_tokens,) * batch_size, tuple(s), "verify")
+
+    @classmethod
+    def cross_attention(
+        cls, batch_size: int = 5, max_query: int = 40, max_encoder: int = 60, seed: int = 0
+    ) -> BatchSpec:
+        """Cross-attention: decoder tokens over an encoder's keys. Every third row decodes one
+        token; every fourth has a short encoder (1..8 keys, often fewer than its queries); the
+        fifth has none (its queries see no key)."""
+        r = random.Random(seed)
+        q = [1 if b % 3 == 0 else r.randint(2, max_query) for b in range(batch_size)]
+        s = [r.randint(1, max_encoder) if b % 4 else r.randint(1, 8) for b in range(batch_size)]
+        if batch_size > 4:
+            s[4] = 0
+        return cls(tuple(q), tuple(s), "cross_attention", cross=True)
 
     @classmethod
     def long_context(cls, batch_size: int = 2, context: int = 4096, seed: int = 0) -> BatchSpec:

@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from attnsdk._base import BackendBase, lse_reasons_of
-from attnsdk._capabilities import GraphSupport, tree_capability_reasons
+from attnsdk._capabilities import GraphSupport, step_capability_reasons
 from attnsdk._create import create_backend, explain
 from attnsdk._errors import InvalidMetadataError, UnsupportedConfigError
 from attnsdk._kv import COMPUTE_DTYPES, KVCacheLayout
@@ -58,6 +58,7 @@ from attnsdk.graphs import GraphRunner
 from attnsdk.testing._batch import Batch, make_batch
 from attnsdk.testing._conformance_cases import (
     _CHUNKED,
+    _CROSS_FEATURES,
     _DTYPE_FEATURES,
     _LSE_FEATURES,
     _LSE_TOLERANCE,
@@ -364,13 +365,7 @@ class BackendConformance:
             spec = PRESETS[preset](seed)
             batch = self._batch(layer, layout, spec, seed, per_head=f.per_head_scales, tree=True)
             self._require(subject, batch)
-            reasons = tree_capability_reasons(subject.capabilities)
-            if reasons:
-                cache = _copy(batch.cache)
-                with pytest.raises(UnsupportedConfigError):
-                    batch.run(subject, cache)
-                _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused")
-                pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+            self._require_step(subject, batch)
             out = self._compare(subject, oracle, batch)
             if not lse_reasons_of(subject, layer, layout, dev):
                 with_lse, lse, _ = batch.run_with_lse(subject)
@@ -388,6 +383,29 @@ class BackendConformance:
                 atol, rtol = self.tolerance(layout)
                 gap = (causal.float() - ref.float()).abs() - 2 * (atol + rtol * ref.float().abs())
                 assert float(gap.max()) > 0, "a causal chain is within twice the tolerance"
+
+    # -- cross-attention ----------------------------------------------------------------------
+
+    @pytest.mark.parametrize("feature", _CROSS_FEATURES)
+    def test_cross_attention(self, subject: Backend, oracle: Backend, feature: str) -> None:
+        """Cross-attention (``AttentionMetadata.cross_attention``): decoder rows over an
+        encoder's keys, with more queries than keys and an empty encoder among them: output and
+        log-sum-exp match the reference and the cache is untouched. A backend without
+        ``Feature.CROSS_ATTENTION`` must refuse the step before writing; it is then skipped."""
+        f = FEATURES[feature]
+        layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
+        dev = torch.device(self.device)
+        for seed in range(self.seeds):
+            spec = BatchSpec.cross_attention(seed=seed)
+            batch = self._batch(layer, layout, spec, seed, per_head=f.per_head_scales)
+            self._require(subject, batch)
+            self._require_step(subject, batch)
+            out = self._compare(subject, oracle, batch)
+            if not lse_reasons_of(subject, layer, layout, dev):
+                with_lse, lse, _ = batch.run_with_lse(subject)
+                _, ref_lse, _ = self.reference_batch(batch).run_with_lse(oracle)
+                assert torch.equal(with_lse, out), "asking for lse= changed the output"
+                self._assert_lse(lse, ref_lse, layout)
 
     # -- the log-sum-exp ----------------------------------------------------------------------
 
@@ -660,10 +678,25 @@ class BackendConformance:
         _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
         pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
 
+    def _require_step(self, subject: Backend, batch: Batch) -> None:
+        """Skip, with the backend's reasons, a step kind it does not declare (a tree mask,
+        cross-attention), after checking that it is refused before anything is written."""
+        reasons = step_capability_reasons(subject.capabilities, batch.metadata)
+        if not reasons:
+            return
+        cache = _copy(batch.cache)
+        with pytest.raises(UnsupportedConfigError):
+            batch.run(subject, cache)
+        _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
+        pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+
     def _assert_lse(self, lse: torch.Tensor, ref: torch.Tensor, layout: KVCacheLayout) -> None:
+        """Within ``lse_tolerance``; rows that see no key and no sink are -inf on both sides."""
         assert lse.dtype == torch.float32, f"lse dtype {lse.dtype}"
+        empty = torch.isneginf(ref)
+        assert torch.equal(torch.isneginf(lse), empty), "-inf (no key seen) where the oracle's is"
         atol, rtol = self.lse_tolerance(layout)
-        assert_close_to_reference(lse, ref, atol=atol, rtol=rtol)
+        assert_close_to_reference(lse[~empty], ref[~empty], atol=atol, rtol=rtol)
 
     def _check(
         self,

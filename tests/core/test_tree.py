@@ -79,7 +79,7 @@ def test_validate_wants_every_draft_token_to_see_itself() -> None:
 
 
 def test_a_backend_without_tree_masks_refuses_the_step_at_plan() -> None:
-    with pytest.raises(A.UnsupportedConfigError, match="tree verify") as err:
+    with pytest.raises(A.UnsupportedConfigError, match="cannot serve this step") as err:
         NoTreesBackend().plan(_meta(tree_mask_from_parents([[-1, 0, 0], [-1, 0]])))
     assert [r.field for r in err.value.reasons] == ["tree_mask"]
 
