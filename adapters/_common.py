@@ -181,6 +181,9 @@ class AttnKind(enum.Enum):
     DECODER_BIDIRECTIONAL; vLLM non-causal decoder steps)."""
     ENCODER = "encoder"
     """Non-causal attention over this step's K/V only; no cache (vLLM ENCODER, ENCODER_ONLY)."""
+    CROSS = "cross"
+    """Decoder rows over an encoder's cached K/V (vLLM ENCODER_DECODER): a cross-attention step
+    (``AttentionMetadata.cross_attention``)."""
 
     @property
     def causal(self) -> bool:

@@ -38,10 +38,11 @@ _ATTN_KINDS = {
     "decoder": AttnKind.DECODER,
     "encoder": AttnKind.ENCODER,
     "encoder_only": AttnKind.ENCODER,
+    "encoder_decoder": AttnKind.CROSS,
 }
 """vLLM's ``AttentionType`` values attnsdk serves. ENCODER and ENCODER_ONLY attend
-bidirectionally over this step's K/V and keep no cache; ENCODER_DECODER (cross-attention over an
-encoder's cache) is not mapped yet."""
+bidirectionally over this step's K/V and keep no cache; ENCODER_DECODER is cross-attention over
+the encoder's cache (vLLM's ``CrossAttentionBuilder`` subclasses our builder)."""
 
 
 def vllm_attn_kind(attn_type: object) -> AttnKind | None:

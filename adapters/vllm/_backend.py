@@ -30,7 +30,7 @@ from attnsdk import (
     GraphSupport,
     KVCacheLayout,
 )
-from attnsdk.adapters._common import EngineVersions, drop_in_class, resolve_backend
+from attnsdk.adapters._common import AttnKind, EngineVersions, drop_in_class, resolve_backend
 from attnsdk.adapters.vllm._adapter import VLLMAdapter, vllm_attn_kind
 from attnsdk.adapters.vllm._impl import AttnSDKAttentionImplBase
 from attnsdk.adapters.vllm._layout import compute_dtype_by_name, fp8_storage_dtype
@@ -80,6 +80,10 @@ class VLLMAttentionMetadata:
     max_seq_len: int
     causal: bool
     """The step's causal flag (False for non-causal / encoder-only batches)."""
+    encoder_slot_mapping: torch.Tensor | None = None
+    """Cross-attention: the encoder tokens' slots, for the requests whose encoder K/V this step
+    writes (vLLM's ``CrossAttentionBuilder`` assigns ``slot_mapping`` after ``build``); None
+    otherwise."""
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -101,7 +105,14 @@ class VLLMAttentionMetadata:
 
     @property
     def slot_mapping(self) -> torch.Tensor:
+        if self.encoder_slot_mapping is not None:
+            return self.encoder_slot_mapping
         return self.plan.metadata.slot_mapping
+
+    @slot_mapping.setter
+    def slot_mapping(self, value: torch.Tensor) -> None:
+        # vLLM's CrossAttentionBuilder sets the encoder tokens' slots after build.
+        self.encoder_slot_mapping = value
 
 
 class AttnSDKMetadataBuilderBase:
@@ -130,6 +141,9 @@ class AttnSDKMetadataBuilderBase:
         self.reads_only = _kv_sharing_only(vllm_config, layer_names)
         """Every layer of this builder reads another layer's cache (vLLM's KV-sharing fast
         prefill gives them their own builder): its steps write nothing."""
+        self.cross = type(kv_cache_spec).__name__ == "CrossAttentionSpec"
+        """The builder of cross-attention layers (vLLM's ``CrossAttentionBuilder`` subclasses
+        this class): its steps read the encoder's keys, ``seq_lens`` being their lengths."""
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> Any:
@@ -142,6 +156,8 @@ class AttnSDKMetadataBuilderBase:
     ) -> VLLMAttentionMetadata:
         """Plan the step (``common_prefix_len`` is always 0 in vLLM 0.33+: no cascade)."""
         meta = self._no_writes(self.adapter.build_metadata(common_attn_metadata))
+        if self.cross:
+            meta = dataclasses.replace(meta, cross_attention=True)
         return VLLMAttentionMetadata(
             plan=self.backend.plan(meta),
             backend=self.backend,
@@ -174,8 +190,9 @@ class AttnSDKMetadataBuilderBase:
 
     def _no_writes(self, meta: AttentionMetadata) -> AttentionMetadata:
         """KV-sharing layers never write, and vLLM's fast prefill cuts their batch to the
-        logits rows while its ``slot_mapping`` stays the full batch's: say "no write" (-1)."""
-        if not self.reads_only:
+        logits rows while its ``slot_mapping`` stays the full batch's: say "no write" (-1).
+        Neither does a cross-attention step: the encoder's K/V go to their own slots."""
+        if not self.reads_only and not self.cross:
             return meta
         return dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
 
@@ -295,6 +312,8 @@ class AttnSDKAttentionBackendBase:
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         kind = vllm_attn_kind(attn_type)
+        if kind is AttnKind.CROSS:
+            return Feature.CROSS_ATTENTION in _backend(cls).capabilities.features
         return kind is not None and (kind.causal or cls.supports_non_causal())
 
     @classmethod

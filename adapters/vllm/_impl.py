@@ -13,6 +13,7 @@ import torch
 
 from attnsdk import (
     AttentionMetadata,
+    Feature,
     InvalidInputError,
     KVCacheLayout,
     Plan,
@@ -85,7 +86,17 @@ class AttnSDKAttentionImplBase:
             refuse(what, "alibi_slopes", "ALiBi is not supported")
         kind = vllm_attn_kind(self.attn_type)
         if kind is None:
-            refuse(what, "attn_type", f"{self.attn_type} is not mapped (cross-attention)")
+            refuse(what, "attn_type", f"{self.attn_type} is not mapped")
+        if (
+            kind is AttnKind.CROSS
+            and Feature.CROSS_ATTENTION not in self.backend.capabilities.features
+        ):
+            refuse(
+                what,
+                "attn_type",
+                f"encoder_decoder needs a backend with cross-attention; {self.backend.name!r} "
+                "has none",
+            )
         self.kind: AttnKind = kind
         # vLLM passes model-specific extras (use_alibi_sqrt, FlexAttention block sizes, ...)
         # only to backends that asked for them; a set one asks for what attnsdk lacks.
@@ -173,6 +184,20 @@ class AttnSDKAttentionImplBase:
                 )
             k_enc, v_enc = _heads("key", key[:n], hkv, d), _heads("value", value[:n], hkv, d)
             result = self._encoder(attn_metadata, q, k_enc, v_enc, layer_spec, sinks, out)
+        elif self.kind is AttnKind.CROSS:
+            cache = self._kv(kv_cache, q.dtype)
+            k_scale, v_scale = _scales(layer, cache)
+            slots = attn_metadata.encoder_slot_mapping
+            if key is not None and value is not None and slots is not None and slots.numel():
+                # The encoder's K/V, once per request (its first decoder step): one row per
+                # encoder token, at the slots vLLM's CrossAttentionBuilder computed.
+                e = slots.shape[0]
+                k_enc, v_enc = _heads("key", key[:e], hkv, d), _heads("value", value[:e], hkv, d)
+                cache.store(k_enc, v_enc, slots, k_scale=k_scale, v_scale=v_scale)
+            result = attn_metadata.backend.forward(
+                q, None, None, cache, attn_metadata.plan, layer_spec,
+                sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out,
+            )  # fmt: skip
         else:
             cache = self._kv(kv_cache, q.dtype)
             k: torch.Tensor | None = None

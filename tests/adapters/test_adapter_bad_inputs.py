@@ -1141,7 +1141,7 @@ DCP.impl_cls = type("DCPImpl", (DCP.impl_cls,), {"dcp_world_size": 2})
 
 V_CONSTRUCT_CASES = [
     construct_case("alibi", "alibi_slopes", UCE, alibi_slopes=[0.5] * HQ),
-    construct_case("encoder-decoder", "attn_type", UCE, attn_type="encoder_decoder"),
+    construct_case("attn-type-unknown", "attn_type", UCE, attn_type="mamba"),
     construct_case("attn-type-int", "attn_type", UCE, attn_type=5),
     construct_case("extra-flex-block-size", "flex_block_size", UCE, flex_block_size=64),
     construct_case("sinks-list", "sinks", sinks=[0.0] * HQ),

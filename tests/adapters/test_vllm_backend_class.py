@@ -122,7 +122,8 @@ def test_support_queries() -> None:
     assert RefBackend.supports_non_causal()
     assert RefBackend.supports_attn_type("encoder_only")
     assert RefBackend.supports_attn_type("decoder")
-    assert not RefBackend.supports_attn_type("encoder_decoder")
+    assert RefBackend.supports_attn_type("encoder_decoder")  # cross-attention
+    assert not RefBackend.supports_attn_type("mamba")
     assert RefBackend.supports_head_size(256)
     assert not RefBackend.supports_head_size(4096)
     assert RefBackend.supports_dtype(torch.float32)
@@ -147,8 +148,8 @@ def test_unsupported_layer_features_raise_with_reasons() -> None:
     impl_cls = RefBackend.get_impl_cls()
     with pytest.raises(UnsupportedConfigError, match="ALiBi"):
         impl_cls(4, 32, 0.1, 2, alibi_slopes=[0.5] * 4)
-    with pytest.raises(UnsupportedConfigError, match="attn_type encoder_decoder"):
-        impl_cls(4, 32, 0.1, 2, attn_type="encoder_decoder")
+    with pytest.raises(UnsupportedConfigError, match="attn_type mamba"):
+        impl_cls(4, 32, 0.1, 2, attn_type="mamba")
     with pytest.raises(
         UnsupportedConfigError, match=r"use_alibi_sqrt is not served \(found True\)"
     ):

@@ -5,7 +5,8 @@ Nothing here calls our classes directly where vLLM has a call site:
 * selection: ``vllm.v1.attention.selector.get_attn_backend`` (what ``Attention.__init__``
   calls) with our class registered as CUSTOM picks it for configurations we serve, and the
   platform refuses, with our reasons, those we do not (DCP, PCP, R-SWA, adaptive verification,
-  MLA, batch invariance, cross-attention, a float16 cache under a bf16 model);
+  MLA, batch invariance, a float16 cache under a bf16 model); cross-attention is picked
+  (test_vllm_cross.py runs it);
 * KV cache spec: ``Attention.get_kv_cache_spec`` of a sliding-window layer (``customize_spec``
   and ``get_supported_kernel_block_sizes(spec)``), and the worker's
   ``attn_utils.get_kv_cache_spec`` (``customize_attention_spec``);
@@ -81,6 +82,7 @@ def select(vllm_config: Any, **kwargs: Any) -> type:
         {"kv_cache_dtype": "bfloat16"},
         {"attn_type": "encoder_only"},
         {"attn_type": "encoder", "has_sliding_window": True},
+        {"attn_type": "encoder_decoder"},
         {"head_size": 64, "dtype": torch.float32},
     ],
     ids=[
@@ -91,6 +93,7 @@ def select(vllm_config: Any, **kwargs: Any) -> type:
         "bf16-cache",
         "encoder_only",
         "encoder",
+        "cross-attention",
         "fp32",
     ],
 )
@@ -130,10 +133,9 @@ def _adaptive(c: Any) -> None:
         (_rswa, {}, "R-SWA not supported"),
         (_adaptive, {}, "needed for adaptive verification"),
         (None, {"use_mla": True}, "MLA not supported"),
-        (None, {"attn_type": "encoder_decoder"}, "attention type encoder_decoder not supported"),
         (None, {"kv_cache_dtype": "float16"}, "kv_cache_dtype 'float16' with a torch.bfloat16"),
     ],
-    ids=["dcp", "pcp", "rswa", "adaptive-verification", "mla", "cross-attention", "fp16-cache"],
+    ids=["dcp", "pcp", "rswa", "adaptive-verification", "mla", "fp16-cache"],
 )
 def test_selector_refuses_with_our_reason(configure: Any, kwargs: Any, reason: str) -> None:
     vllm_config = engine_config()
