@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from attnsdk._base import BackendBase, lse_reasons_of
-from attnsdk._capabilities import GraphSupport, step_capability_reasons
+from attnsdk._capabilities import GraphSupport, Reason, step_capability_reasons
 from attnsdk._create import create_backend, explain
 from attnsdk._errors import InvalidMetadataError, UnsupportedConfigError
 from attnsdk._kv import COMPUTE_DTYPES, KVCacheLayout
@@ -655,40 +655,21 @@ class BackendConformance:
     def _require(self, subject: Backend, batch: Batch) -> None:
         """Skip, with the backend's reasons, what it declares it cannot serve, after checking
         that forward refuses it and writes nothing."""
-        layout = batch.cache.layout
-        reasons = subject.unsupported_reasons(batch.layer, layout, self.device)
-        if not reasons:
-            return
-        cache = _copy(batch.cache)
-        with pytest.raises(UnsupportedConfigError):
-            batch.run(subject, cache)
-        _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
-        pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+        reasons = subject.unsupported_reasons(batch.layer, batch.cache.layout, self.device)
+        _refused(reasons, subject, batch, with_lse=False)
 
     def _require_lse(self, subject: Backend, batch: Batch) -> None:
         """Skip, with its reasons, a case whose ``lse=`` the backend declares it cannot fill,
         after checking that forward refuses it and writes nothing."""
-        layout = batch.cache.layout
-        reasons = lse_reasons_of(subject, batch.layer, layout, torch.device(self.device))
-        if not reasons:
-            return
-        cache = _copy(batch.cache)
-        with pytest.raises(UnsupportedConfigError):
-            batch.run_with_lse(subject, cache)
-        _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
-        pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+        dev = torch.device(self.device)
+        reasons = lse_reasons_of(subject, batch.layer, batch.cache.layout, dev)
+        _refused(reasons, subject, batch, with_lse=True)
 
     def _require_step(self, subject: Backend, batch: Batch) -> None:
         """Skip, with the backend's reasons, a step kind it does not declare (a tree mask,
         cross-attention), after checking that it is refused before anything is written."""
         reasons = step_capability_reasons(subject.capabilities, batch.metadata)
-        if not reasons:
-            return
-        cache = _copy(batch.cache)
-        with pytest.raises(UnsupportedConfigError):
-            batch.run(subject, cache)
-        _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
-        pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+        _refused(reasons, subject, batch, with_lse=False)
 
     def _assert_lse(self, lse: torch.Tensor, ref: torch.Tensor, layout: KVCacheLayout) -> None:
         """Within ``lse_tolerance``; rows that see no key and no sink are -inf on both sides."""
@@ -736,3 +717,16 @@ class BackendConformance:
         self._assert_output(out, ref, layout)
         _assert_same_cache(cache, ref_cache, batch.metadata, exact=not layout.is_quantized)
         return out
+
+
+def _refused(reasons: list[Reason], subject: Backend, batch: Batch, *, with_lse: bool) -> None:
+    """With ``reasons``: check that running ``batch`` raises ``UnsupportedConfigError`` and
+    writes nothing, then skip the case naming them. Without: return."""
+    if not reasons:
+        return
+    cache = _copy(batch.cache)
+    run = batch.run_with_lse if with_lse else batch.run
+    with pytest.raises(UnsupportedConfigError):
+        run(subject, cache)
+    _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
+    pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
