@@ -20,6 +20,21 @@ from attnsdk.backends.fa3 import FA3Backend
 if TYPE_CHECKING:
     import pytest
 
+    from attnsdk.testing import Batch
+
+
+def fa3_rounding(batch: Batch) -> Batch:
+    """The batch the reference runs to model what FA3 documents it computes with: q cast to
+    fp8 (clamped) when the KV cache is fp8, and sinks read as bf16. The fake conformance and
+    tests/gpu/test_conformance_fa3.py both compare with it."""
+    q = batch.q
+    if batch.cache.layout.is_quantized:
+        fp8 = torch.float8_e4m3fn
+        fp8_max = torch.finfo(fp8).max
+        q = q.clamp(-fp8_max, fp8_max).to(fp8).to(q.dtype)
+    sinks = None if batch.sinks is None else batch.sinks.to(torch.bfloat16).float()
+    return dataclasses.replace(batch, q=q, sinks=sinks)
+
 
 class FakeKernel:
     """``KernelCall``'s interface, computed on the CPU; records each launch's batch size."""

@@ -8,13 +8,11 @@ page size and dtype. The real kernels run the same suite in tests/gpu.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
 import pytest
-import torch
-from fake_fa3 import CPUFA3, fake_fa3
+from fake_fa3 import CPUFA3, fa3_rounding, fake_fa3
 from test_flashinfer_cpu import CPUFlashInfer, fake_flashinfer
 
 from attnsdk.backends import flashinfer as fi_module
@@ -25,8 +23,6 @@ if TYPE_CHECKING:
 
     from attnsdk import Backend, KVCacheLayout
     from attnsdk.testing import Batch
-
-FP8 = torch.float8_e4m3fn
 
 
 class TestFakeFA3Conformance(BackendConformance):
@@ -41,13 +37,7 @@ class TestFakeFA3Conformance(BackendConformance):
             yield CPUFA3()
 
     def reference_batch(self, batch: Batch) -> Batch:
-        """As tests/gpu/test_conformance_fa3.py: q cast to fp8 for an fp8 cache, sinks bf16."""
-        q = batch.q
-        if batch.cache.layout.is_quantized:
-            fp8_max = torch.finfo(FP8).max
-            q = q.clamp(-fp8_max, fp8_max).to(FP8).to(q.dtype)
-        sinks = None if batch.sinks is None else batch.sinks.to(torch.bfloat16).float()
-        return dataclasses.replace(batch, q=q, sinks=sinks)
+        return fa3_rounding(batch)
 
     def tolerance(self, layout: KVCacheLayout) -> tuple[float, float]:
         return (0.06, 0.06) if layout.is_quantized else super().tolerance(layout)
