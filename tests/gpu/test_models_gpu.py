@@ -89,7 +89,16 @@ def _margins(fp32: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
     return logits.max(-1).values - chosen
 
 
-def _backend_reasons(name: str, layer: A.LayerSpec) -> list[A.Reason]:
+def _model_reasons(name: str, arch: str, config: Any) -> list[A.Reason]:
+    """Why backend ``name`` declares it cannot serve the attention layers of ``config``."""
+    layer = A.LayerSpec(
+        num_heads=COMMON["num_attention_heads"],
+        num_kv_heads=COMMON["num_key_value_heads"],
+        head_dim=COMMON["head_dim"],
+        softcap=getattr(config, "attn_logit_softcapping", None),
+        has_sinks=arch == "gpt_oss",
+        sliding_window=getattr(config, "sliding_window", None),
+    )
     return A.create_backend(name, device=DEV).unsupported_reasons(layer, device=DEV)
 
 
@@ -102,15 +111,7 @@ def test_hf_model_matches_fp32_eager(backend: str, arch: str) -> None:
     fp32, bf16, ours = _models(config, name)
     torch.manual_seed(1)
     ids = torch.randint(1, COMMON["vocab_size"], (2, 24), device=DEV)  # longer than the window
-    probe = A.LayerSpec(
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        softcap=getattr(config, "attn_logit_softcapping", None),
-        has_sinks=arch == "gpt_oss",
-        sliding_window=getattr(config, "sliding_window", None),
-    )
-    reasons = _backend_reasons(backend, probe)
+    reasons = _model_reasons(backend, arch, config)
     if reasons:  # declared: the model must be refused, naming the reason, not served wrongly
         with torch.no_grad(), pytest.raises(A.UnsupportedConfigError) as err:
             ours(ids)
@@ -159,15 +160,7 @@ def test_every_attention_call_matches_the_reference(backend: str, arch: str) -> 
 
     transformers.AttentionInterface.register(name, checked)
     _, _, model = _models(config, name)
-    probe = A.LayerSpec(
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        softcap=getattr(config, "attn_logit_softcapping", None),
-        has_sinks=arch == "gpt_oss",
-        sliding_window=getattr(config, "sliding_window", None),
-    )
-    reasons = _backend_reasons(backend, probe)
+    reasons = _model_reasons(backend, arch, config)
     if reasons:  # refusing is checked in test_hf_model_matches_fp32_eager
         pytest.skip(f"{backend} declares it cannot serve {arch}: {reasons}")
     torch.manual_seed(1)
