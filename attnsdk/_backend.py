@@ -87,7 +87,8 @@ class Backend(Protocol):
         """Write new K/V into ``cache`` at ``slot_mapping``, then attend.
 
         q: (T, Hq, D). k: (T, Hkv, D) and v: (T, Hkv, Dv), or both None when the caller has
-        already written them. sinks: (Hq,) fp32 when ``layer.has_sinks``. k_scale / v_scale:
+        already written them. An MLA layer (``layer.mla``) takes k (T, 1, D) alone, latent
+        then rope, and v None: V is the latent part of the cache. sinks: (Hq,) fp32 when ``layer.has_sinks``. k_scale / v_scale:
         fp32 () / (1,) / (Hkv,) for fp8 caches. out: optional (T, Hq, Dv) destination.
         lse: optional (T, Hq) fp32 contiguous destination of each row's natural-log
         log-sum-exp (docs/kv_layout.md, "The log-sum-exp"); a backend without
@@ -194,15 +195,29 @@ def check_forward_args(
             " like the cache layout",
             (hkv, d, dv),
         )
+    if layer.mla != layout.mla:
+        raise InvalidInputError(
+            "layer.mla", f"{layout.mla} like the cache layout", layer.mla, _MLA_HINT
+        )
     _tensor("q", q, (None, hq, d), layout.dtype, cache.device)
     rows = q.shape[0]
     if rows < meta.num_tokens:
         raise InvalidInputError("q.shape[0]", f">= num_tokens={meta.num_tokens}", rows)
-    if (k is None) != (v is None):
+    if layout.mla:
+        for name, given in (("v", v), ("v_scale", v_scale)):
+            if given is not None:
+                raise InvalidInputError(
+                    name,
+                    "None for an MLA layer: V is the first kv_lora_rank dims of k "
+                    "(and k_scale covers both)",
+                    "a tensor",
+                )
+    elif (k is None) != (v is None):
         raise InvalidInputError("k/v", "both tensors or both None", "only one of them")
-    if k is not None and v is not None:
+    if k is not None:
         _tensor("k", k, (rows, hkv, d), layout.dtype, cache.device)
-        _tensor("v", v, (rows, hkv, dv), layout.dtype, cache.device)
+        if v is not None:
+            _tensor("v", v, (rows, hkv, dv), layout.dtype, cache.device)
         if meta.slot_mapping.shape[0] < meta.num_tokens:
             raise InvalidInputError(
                 "plan.metadata.slot_mapping",
@@ -246,6 +261,9 @@ def check_forward_args(
             raise InvalidInputError(f"{name}.device", str(cache.device), scale.device)
     if meta.device != cache.device:
         raise InvalidInputError("plan.metadata.device", str(cache.device), meta.device)
+
+
+_MLA_HINT = "Build both with LayerSpec.for_mla and KVCacheLayout.for_mla"
 
 
 def _kind(value: object) -> str:

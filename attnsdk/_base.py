@@ -39,7 +39,7 @@ from attnsdk._capabilities import (
 from attnsdk._cross import cross_reasons
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphHooks
-from attnsdk._kv import KVCacheLayout
+from attnsdk._kv import KVCacheLayout, mla_value
 from attnsdk._layer import LayerSpec
 from attnsdk._tree import tree_reasons
 from attnsdk._validate import check_metadata
@@ -303,6 +303,12 @@ class BackendBase(GraphHooks):
         except KeyError:
             state = self._first_forward(layer, cache)
         self.check_step(plan, cache)
+        if cache.layout.mla:
+            # V is a view of K's latent dims: every store and attend serves MLA as they are
+            # (the latent is written twice, the same bytes; read back with K's scale).
+            v_scale = k_scale
+            if k is not None:
+                v = mla_value(k, None, cache.layout)
         if k is not None and v is not None:
             self.store(k, v, cache, plan, state, k_scale=k_scale, v_scale=v_scale)
         if out is None:

@@ -77,6 +77,8 @@ class Feature(str, enum.Enum):
     """``AttentionMetadata.tree_mask``: speculative-tree verify steps (``attnsdk._tree``)."""
     CROSS_ATTENTION = "cross_attention"
     """``AttentionMetadata.cross_attention``: steps over an encoder's keys (``attnsdk._cross``)."""
+    MLA = "mla"
+    """``LayerSpec.mla`` over a ``KVCacheLayout.mla`` latent cache (V is part of K)."""
 
 
 class GraphSupport(enum.IntEnum):
@@ -113,6 +115,10 @@ class Capabilities:
     """For CUDA devices: highest (major, minor) supported."""
     features: frozenset[Feature] = field(default_factory=frozenset)
     graph_support: GraphSupport = GraphSupport.NONE
+    mla_dims: frozenset[tuple[int, int]] | None = None
+    """With ``Feature.MLA``: the (kv_lora_rank, rope_dim) pairs its MLA kernels take, which
+    then replace the ``max_head_dim`` check for MLA layers (they split q and K in two). None:
+    MLA layers are checked against ``max_head_dim`` like any other."""
 
 
 def default_device(caps: Capabilities) -> torch.device:
@@ -199,7 +205,10 @@ def capability_reasons(
         dims.update(head_dim=layer.head_dim, v_head_dim=layer.v_dim)
     if layout is not None:
         dims.update(head_dim=layout.head_dim, v_head_dim=layout.v_dim)
-    for name, d in dims.items():
+    mla = (layer is not None and layer.mla) or (layout is not None and layout.mla)
+    if mla:
+        reasons += _mla_reasons(caps, layer, layout, dims)
+    for name, d in dims.items() if not (mla and caps.mla_dims is not None) else ():
         if d > caps.max_head_dim or d % caps.head_dim_multiple:
             reasons.append(
                 Reason(
@@ -237,6 +246,33 @@ def capability_reasons(
                     Reason(cfg, name, f"layer has {mine} but the KV layout has {theirs}")
                 )
     return sorted(reasons)
+
+
+def _mla_reasons(
+    caps: Capabilities,
+    layer: LayerSpec | None,
+    layout: KVCacheLayout | None,
+    dims: dict[str, int],
+) -> list[Reason]:
+    """An MLA layer or layout: the feature, the pair of dims, and both sides saying MLA."""
+    cfg = ReasonKind.CONFIGURATION
+    if Feature.MLA not in caps.features:
+        return [Reason(cfg, "mla", "is not supported by this backend")]
+    reasons = []
+    if layer is not None and layout is not None and layer.mla != layout.mla:
+        reasons.append(
+            Reason(cfg, "mla", f"layer has {layer.mla} but the KV layout has {layout.mla}")
+        )
+    pair = (dims["v_head_dim"], dims["head_dim"] - dims["v_head_dim"])
+    if caps.mla_dims is not None and pair not in caps.mla_dims:
+        reasons.append(
+            Reason(
+                cfg,
+                "mla",
+                f"(kv_lora_rank, rope_dim) must be one of {sorted(caps.mla_dims)}, found {pair}",
+            )
+        )
+    return reasons
 
 
 def lse_capability_reasons(caps: Capabilities) -> list[Reason]:

@@ -13,7 +13,14 @@ import torch
 
 from attnsdk._errors import InvalidInputError
 
-__all__ = ["check_bool", "check_device", "check_int", "check_positive_float", "is_int_tensor"]
+__all__ = [
+    "check_bool",
+    "check_device",
+    "check_int",
+    "check_mla_dims",
+    "check_positive_float",
+    "is_int_tensor",
+]
 
 INT32_MAX = 2**31 - 1
 
@@ -46,6 +53,23 @@ def check_positive_float(field: str, value: object, *, allow_zero: bool = False)
         bound = ">= 0" if allow_zero else "> 0"
         raise InvalidInputError(field, f"a finite number {bound}", repr(value))
     return float(value)  # type: ignore[arg-type]
+
+
+def check_mla_dims(record: str, num_kv_heads: int, head_dim: int, v_head_dim: int | None) -> None:
+    """An MLA record (``mla=True``): one KV head, and a latent (``v_head_dim``) shorter than
+    ``head_dim``, whose rest is the rope key. ``for_mla`` builds one from the two dims."""
+    hint = f"Build it with {record}.for_mla(..., kv_lora_rank=512, rope_dim=64)"
+    if num_kv_heads != 1:
+        raise InvalidInputError(
+            f"{record}.num_kv_heads", "1 for MLA (one latent per token)", num_kv_heads, hint
+        )
+    if v_head_dim is None or not v_head_dim < head_dim:
+        raise InvalidInputError(
+            f"{record}.v_head_dim",
+            f"kv_lora_rank, less than head_dim={head_dim} (kv_lora_rank + rope_dim) for MLA",
+            v_head_dim,
+            hint,
+        )
 
 
 def check_device(field: str, value: object) -> torch.device:

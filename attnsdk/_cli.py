@@ -94,6 +94,13 @@ def build_parser(prog: str = "attnsdk") -> argparse.ArgumentParser:
         "--non-causal", dest="causal", action="store_const", const=False, help="no causal mask"
     )
     shape.add_argument(
+        "--mla",
+        action="store_const",
+        const=True,
+        help="multi-head latent attention: --kv-heads 1, --head-dim kv_lora_rank + rope dim, "
+        "--v-head-dim kv_lora_rank (DeepSeek: 576 and 512)",
+    )
+    shape.add_argument(
         "--page-size", dest="page_size", type=int, metavar="P", help="tokens per page (16)"
     )
     shape.add_argument("--dtype", type=_dtype, help="compute dtype (bfloat16)")

@@ -156,7 +156,8 @@ def _render(report: dict[str, Any]) -> str:
         f"{'causal' if layer['causal'] else 'non-causal'}, "
         f"window {window or 'off'}, softcap {layer['softcap'] or 'off'}, "
         f"sinks {'on' if layer['has_sinks'] else 'off'}, "
-        f"chunks {layer['attention_chunk_size'] or 'off'}",
+        f"chunks {layer['attention_chunk_size'] or 'off'}"
+        + (", MLA (latent cache)" if layer["mla"] else ""),
         f"layout   page_size {layout['page_size']}, dtype {layout['dtype']}, "
         f"kv_dtype {layout['kv_dtype'] or layout['dtype']}, order {layout['order']}",
         f"device   {report['device']}",

@@ -7,10 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
-from attnsdk._checks import check_device, check_int, is_int_tensor
+from attnsdk._checks import check_bool, check_device, check_int, check_mla_dims, is_int_tensor
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 
-__all__ = ["COMPUTE_DTYPES", "FP8_KV_DTYPES", "KVCache", "KVCacheLayout", "KVOrder"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "FP8_KV_DTYPES",
+    "KVCache",
+    "KVCacheLayout",
+    "KVOrder",
+    "mla_value",
+]
 
 FP8_KV_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 """Storage dtypes that hold quantised K/V (dequantised with ``k_scale`` / ``v_scale``)."""
@@ -52,6 +59,11 @@ class KVCacheLayout:
     """``"NHD"`` or ``"HND"`` (see ``KVOrder``)."""
     kv_dtype: torch.dtype | None = None
     """Storage dtype of the cache; None means ``dtype``. fp8 (e4m3/e5m2) stores quantised K/V."""
+    mla: bool = False
+    """A multi-head-latent-attention cache: one tensor of (N, P, 1, kv_lora_rank + rope_dim),
+    each token's latent then its rope key; V is a view of its first ``v_head_dim =
+    kv_lora_rank`` dims, not stored apart. NHD only. Build with ``for_mla``; ``LayerSpec.mla``
+    says what a layer computes over it."""
 
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "head_dim", "page_size"):
@@ -74,6 +86,42 @@ class KVCacheLayout:
                 f"None, {self.dtype} or an fp8 dtype (torch.float8_e4m3fn, torch.float8_e5m2)",
                 self.kv_dtype,
             )
+        check_bool("KVCacheLayout.mla", self.mla)
+        if self.mla:
+            check_mla_dims("KVCacheLayout", self.num_kv_heads, self.head_dim, self.v_head_dim)
+            if self.order != KVOrder.NHD:
+                raise InvalidInputError(
+                    "KVCacheLayout.order",
+                    "'NHD' for MLA (with one head both orders are the same bytes)",
+                    repr(KVOrder(self.order).value),
+                )
+
+    @classmethod
+    def for_mla(
+        cls,
+        page_size: int,
+        *,
+        kv_lora_rank: int = 512,
+        rope_dim: int = 64,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: torch.dtype | None = None,
+    ) -> KVCacheLayout:
+        """An MLA latent cache: one (N, P, 1, kv_lora_rank + rope_dim) tensor, V a view of it.
+
+        >>> layout = KVCacheLayout.for_mla(page_size=64)
+        >>> cache = layout.allocate(num_pages=4)
+        >>> tuple(cache.k.shape), tuple(cache.v.shape), cache.v.data_ptr() == cache.k.data_ptr()
+        ((4, 64, 1, 576), (4, 64, 1, 512), True)
+        """
+        return cls(
+            num_kv_heads=1,
+            head_dim=kv_lora_rank + rope_dim,
+            page_size=page_size,
+            dtype=dtype,
+            v_head_dim=kv_lora_rank,
+            kv_dtype=kv_dtype,
+            mla=True,
+        )
 
     @property
     def v_dim(self) -> int:
@@ -107,16 +155,24 @@ class KVCacheLayout:
         device = check_device("device", device)
         dt = self.storage_dtype
         k = torch.zeros(self.page_shape(num_pages, self.head_dim), dtype=dt, device=device)
+        if self.mla:
+            return KVCache(self, k, k[..., : self.v_dim])
         v = torch.zeros(self.page_shape(num_pages, self.v_dim), dtype=dt, device=device)
         return KVCache(self, k, v)
 
-    def wrap(self, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+    def wrap(self, k: torch.Tensor, v: torch.Tensor | None = None) -> KVCache:
         """Adopt an engine's K and V tensors without copying.
 
         Strided views are accepted (e.g. K and V halves of one packed tensor) as long as each
-        head vector is contiguous (stride 1 in the last dim). Raises ``InvalidInputError``
-        naming the tensor, the expected and the found shape, dtype or stride.
+        head vector is contiguous (stride 1 in the last dim). An MLA layout takes the latent
+        cache as ``k`` alone (``v`` None, or the view ``k[..., :kv_lora_rank]``). Raises
+        ``InvalidInputError`` naming the tensor, the expected and the found shape, dtype or
+        stride.
         """
+        if self.mla:
+            v = self._latent_view(k, v)
+        elif v is None:
+            raise InvalidInputError("v", "a torch.Tensor (only an MLA layout has no V)", None)
         for name, t, dim in (("k", k, self.head_dim), ("v", v, self.v_dim)):
             if not isinstance(t, torch.Tensor):
                 raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
@@ -153,6 +209,24 @@ class KVCacheLayout:
             raise InvalidInputError("v.device", str(k.device), v.device)
         return KVCache(self, k, v)
 
+    def _latent_view(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """V of an MLA cache: ``k[..., :kv_lora_rank]``; a ``v`` passed must be exactly that."""
+        if not isinstance(k, torch.Tensor):
+            raise InvalidInputError("k", "a torch.Tensor", type(k).__name__)
+        latent = k[..., : self.v_dim]
+        if v is not None and (
+            not isinstance(v, torch.Tensor)
+            or v.data_ptr() != latent.data_ptr()
+            or v.shape != latent.shape
+            or v.stride() != latent.stride()
+        ):
+            raise InvalidInputError(
+                "v",
+                f"None or k[..., :{self.v_dim}] for an MLA layout (V is the latent part of k)",
+                "another tensor" if isinstance(v, torch.Tensor) else type(v).__name__,
+            )
+        return latent
+
 
 @dataclass(frozen=True, slots=True)
 class KVCache:
@@ -185,7 +259,7 @@ class KVCache:
     def store(
         self,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         slot_mapping: torch.Tensor,
         *,
         k_scale: torch.Tensor | None = None,
@@ -194,10 +268,19 @@ class KVCache:
         """Write new tokens: row t of ``k``/``v`` goes to slot ``slot_mapping[t]``.
 
         slot = page * page_size + offset; negative slots are skipped. fp8 caches store
-        ``x / scale`` (scale per tensor or per KV head). This portable version selects the valid
-        slots with a boolean mask, which synchronises a CUDA device; GPU backends use their own
+        ``x / scale`` (scale per tensor or per KV head). An MLA cache takes ``k`` alone (latent
+        then rope; ``v`` and ``v_scale`` None). This portable version selects the valid slots
+        with a boolean mask, which synchronises a CUDA device; GPU backends use their own
         sync-free store.
         """
+        if self.layout.mla:
+            if v_scale is not None and v_scale is not k_scale:
+                raise InvalidInputError(
+                    "v_scale", "None for an MLA cache (k_scale covers the latent)", "a tensor"
+                )
+            v, v_scale = mla_value(k, v, self.layout), k_scale
+        elif v is None:
+            raise InvalidInputError("v", "a torch.Tensor (only an MLA cache takes k alone)", None)
         n = self._check_store_args(k, v, slot_mapping)
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
@@ -247,6 +330,25 @@ class KVCache:
             if t.device != self.device:
                 raise InvalidInputError(f"{name}.device", str(self.device), t.device)
         return n
+
+
+def mla_value(k: torch.Tensor, v: torch.Tensor | None, layout: KVCacheLayout) -> torch.Tensor:
+    """The V rows an MLA write stores: the latent part of ``k``, since V is a view of K there.
+    Storing them beside K writes the same bytes twice, which lets every store serve MLA.
+    ``v`` may be None or that very view (what ``BackendBase.forward`` passes on)."""
+    if not isinstance(k, torch.Tensor) or k.dim() != 3:
+        raise InvalidInputError(
+            "k.shape", f"(T, 1, {layout.head_dim})", tuple(getattr(k, "shape", ()))
+        )
+    latent = k[..., : layout.v_dim]
+    is_latent = isinstance(v, torch.Tensor) and (
+        (v.data_ptr(), v.shape, v.stride()) == (latent.data_ptr(), latent.shape, latent.stride())
+    )
+    if v is not None and not is_latent:
+        raise InvalidInputError(
+            "v", "None for an MLA cache (V is the first kv_lora_rank dims of k)", "a tensor"
+        )
+    return latent
 
 
 def quantize(

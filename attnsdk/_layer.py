@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnsdk._checks import check_bool, check_int, check_positive_float
+from attnsdk._checks import check_bool, check_int, check_mla_dims, check_positive_float
 from attnsdk._errors import InvalidInputError
 
 __all__ = ["LayerSpec"]
@@ -42,6 +42,12 @@ class LayerSpec:
     """Chunked local attention C (Llama 4's iRoPE layers): positions split into chunks
     [kC, (k+1)C) and the query at p sees key j only if ``j // C == p // C``, on top of the rules
     above (causal, window). None = off. docs/kv_layout.md defines it."""
+    mla: bool = False
+    """Multi-head latent attention (DeepSeek V2/V3, Kimi K2) in its absorbed form: one KV head
+    whose vector is the latent ``c`` (the first ``v_head_dim = kv_lora_rank`` dims) followed by
+    the rope key (``rope_dim`` dims), and V is that latent: ``V[j] = K[j][:kv_lora_rank]``. q
+    holds each head's absorbed ``q_nope`` then its ``q_rope``. The KV layout must be ``mla`` too;
+    build both with ``for_mla``. docs/kv_layout.md, "MLA"."""
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
@@ -81,6 +87,37 @@ class LayerSpec:
                     repr(self.attention_chunk_size),
                     "Pass None for a layer without chunks",
                 ) from None
+        check_bool("LayerSpec.mla", self.mla)
+        if self.mla:
+            check_mla_dims("LayerSpec", self.num_kv_heads, self.head_dim, self.v_head_dim)
+
+    @classmethod
+    def for_mla(
+        cls,
+        num_heads: int,
+        *,
+        kv_lora_rank: int = 512,
+        rope_dim: int = 64,
+        scale: float | None = None,
+        causal: bool = True,
+    ) -> LayerSpec:
+        """An absorbed MLA layer: ``num_kv_heads=1``, ``head_dim=kv_lora_rank + rope_dim``,
+        ``v_head_dim=kv_lora_rank``. DeepSeek's ``scale`` is ``(qk_nope_head_dim +
+        qk_rope_head_dim) ** -0.5`` (times its YaRN mscale), not ``head_dim ** -0.5``: pass it.
+
+        >>> layer = LayerSpec.for_mla(16, scale=192**-0.5)
+        >>> layer.head_dim, layer.v_dim, layer.kv_lora_rank, layer.rope_dim
+        (576, 512, 512, 64)
+        """
+        return cls(
+            num_heads=num_heads,
+            num_kv_heads=1,
+            head_dim=kv_lora_rank + rope_dim,
+            v_head_dim=kv_lora_rank,
+            scale=scale,
+            causal=causal,
+            mla=True,
+        )
 
     @property
     def v_dim(self) -> int:
@@ -105,3 +142,13 @@ class LayerSpec:
     @property
     def has_softcap(self) -> bool:
         return bool(self.softcap)
+
+    @property
+    def kv_lora_rank(self) -> int | None:
+        """An MLA layer's latent dim (= Dv); None for other layers."""
+        return self.v_dim if self.mla else None
+
+    @property
+    def rope_dim(self) -> int | None:
+        """An MLA layer's rope dim (= D - Dv); None for other layers."""
+        return self.head_dim - self.v_dim if self.mla else None

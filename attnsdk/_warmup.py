@@ -56,10 +56,12 @@ def warm_up(
 
         q = rand(t, layer.num_heads, layer.head_dim)
         k = rand(t, layer.num_kv_heads, layer.head_dim)
-        v = rand(t, layer.num_kv_heads, layer.v_dim)
+        # An MLA layer's V is the latent part of k (and k_scale reads it).
+        v = None if layout.mla else rand(t, layer.num_kv_heads, layer.v_dim)
         sinks = torch.zeros(layer.num_heads, device=dev) if layer.has_sinks else None
         scale = torch.ones((), device=dev) if layout.is_quantized else None
+        v_scale = None if layout.mla else scale
         plan = backend.plan(meta)
-        backend.forward(q, k, v, cache, plan, layer, sinks=sinks, k_scale=scale, v_scale=scale)
+        backend.forward(q, k, v, cache, plan, layer, sinks=sinks, k_scale=scale, v_scale=v_scale)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

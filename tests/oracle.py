@@ -218,16 +218,19 @@ def run_oracle(batch: Batch, *, write: bool = True) -> Expected:
     cache = batch.cache
     order = cache.layout.kv_order.value
     write = write and not meta.cross_attention  # cross-attention reads the encoder's keys
+    new_v, v_scale = batch.v, batch.v_scale
+    if cache.layout.mla:  # MLA: V is the latent, the first Dv dims of K (and K's scale reads it)
+        new_v, v_scale = batch.k[..., : cache.layout.v_dim], batch.k_scale
     kc, vc = cache_after_writes(
         cache.k,
         cache.v,
         order,
         batch.k if write else None,
-        batch.v if write else None,
+        new_v if write else None,
         meta.slot_mapping.cpu(),
         meta.num_tokens,
         batch.k_scale,
-        batch.v_scale,
+        v_scale,
     )
     qsl = meta.query_start_loc_cpu.tolist()
     out, lse = attention(
@@ -240,7 +243,7 @@ def run_oracle(batch: Batch, *, write: bool = True) -> Expected:
         Semantics.of(batch.layer),
         sinks=batch.sinks,
         k_scale=batch.k_scale,
-        v_scale=batch.v_scale,
+        v_scale=v_scale,
         tree_mask=None if meta.tree_mask is None else meta.tree_mask.cpu(),
     )
     return Expected(out, lse, kc, vc)

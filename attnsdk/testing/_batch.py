@@ -36,8 +36,8 @@ class Batch:
     """(T, Hq, D) in the layout's compute dtype."""
     k: torch.Tensor
     """(T, Hkv, D): new keys, written at ``metadata.slot_mapping`` by forward."""
-    v: torch.Tensor
-    """(T, Hkv, Dv): new values."""
+    v: torch.Tensor | None
+    """(T, Hkv, Dv): new values; None for an MLA layout (V is the latent part of ``k``)."""
     sinks: torch.Tensor | None = None
     """(Hq,) fp32 when ``layer.has_sinks``."""
     k_scale: torch.Tensor | None = None
@@ -51,6 +51,8 @@ class Batch:
         the same strides: a backend then runs on exactly the arrangement it was given.
         """
         k, v = self.cache.k, self.cache.v
+        if self.cache.layout.mla:  # one latent tensor: V is a view of it
+            return self.cache.layout.wrap(k.clone())
         if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
             return KVCache(self.cache.layout, k.clone(), v.clone())
         whole = k.untyped_storage().nbytes() // k.element_size()
@@ -174,11 +176,16 @@ def make_batch(
     >>> tuple(batch.q.shape), batch.metadata.num_seqs
     ((2, 4, 32), 2)
     """
-    if layer.num_kv_heads != layout.num_kv_heads or layer.head_dim != layout.head_dim:
+    if (layer.num_kv_heads, layer.head_dim, layer.mla) != (
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.mla,
+    ):
         raise InvalidInputError(
             "layer",
-            f"num_kv_heads/head_dim = {(layout.num_kv_heads, layout.head_dim)} like the layout",
-            (layer.num_kv_heads, layer.head_dim),
+            f"num_kv_heads/head_dim/mla = {(layout.num_kv_heads, layout.head_dim, layout.mla)} "
+            "like the layout",
+            (layer.num_kv_heads, layer.head_dim, layer.mla),
         )
     gen = torch.Generator().manual_seed(seed)
     p = layout.page_size
@@ -222,14 +229,18 @@ def make_batch(
         k_scale = (0.5 + torch.rand(n, generator=gen)).reshape(() if n == 1 else (n,))
         v_scale = (0.5 + torch.rand(n, generator=gen)).reshape(() if n == 1 else (n,))
     k_cache = quantize(randn(num_pages, p, hkv, d), layout.storage_dtype, k_scale)
-    v_cache = quantize(randn(num_pages, p, hkv, dv), layout.storage_dtype, v_scale)
-    if layout.kv_order is KVOrder.HND:
-        k_cache, v_cache = (
-            k_cache.transpose(1, 2).contiguous(),
-            v_cache.transpose(1, 2).contiguous(),
-        )
-    cache = layout.wrap(k_cache.to(device), v_cache.to(device))
+    if layout.mla:  # one latent cache: V is its first kv_lora_rank dims, K's scale reads it
+        cache, v_scale = layout.wrap(k_cache.to(device)), None
+    else:
+        v_cache = quantize(randn(num_pages, p, hkv, dv), layout.storage_dtype, v_scale)
+        if layout.kv_order is KVOrder.HND:
+            k_cache, v_cache = (
+                k_cache.transpose(1, 2).contiguous(),
+                v_cache.transpose(1, 2).contiguous(),
+            )
+        cache = layout.wrap(k_cache.to(device), v_cache.to(device))
     sinks = randn(hq).to(device) if layer.has_sinks else None
+    new_v = randn(t, hkv, dv).to(device, dtype)
     return Batch(
         spec=spec,
         layer=layer,
@@ -237,7 +248,7 @@ def make_batch(
         cache=cache,
         q=randn(t, hq, d).to(device, dtype),
         k=randn(t, hkv, d).to(device, dtype),
-        v=randn(t, hkv, dv).to(device, dtype),
+        v=None if layout.mla else new_v,
         sinks=sinks,
         k_scale=None if k_scale is None else k_scale.to(device),
         v_scale=None if v_scale is None else v_scale.to(device),

@@ -284,6 +284,7 @@ def test_explain_json() -> None:
         "softcap": None,
         "has_sinks": False,
         "attention_chunk_size": None,
+        "mla": False,
     }
     assert report["layout"] == {
         "num_kv_heads": 8,
@@ -293,6 +294,7 @@ def test_explain_json() -> None:
         "v_head_dim": None,
         "order": "NHD",
         "kv_dtype": "float8_e4m3fn",
+        "mla": False,
     }
     # What "auto" may pick: composites ("routed", negative priority) are asked for by name.
     assert [b["name"] for b in report["backends"]] == [
@@ -338,6 +340,7 @@ def test_explain_every_shape_flag(cli: Any) -> None:
         "softcap": 30.0,
         "has_sinks": True,
         "attention_chunk_size": 256,
+        "mla": False,
     }
     assert (report["layout"]["page_size"], report["layout"]["dtype"]) == (32, "float32")
     assert report["layout"]["order"] == "HND"
@@ -628,3 +631,15 @@ def test_the_manual_documents_every_json_key() -> None:
     bench = documented_keys("### `attnsdk bench --json`")
     assert {k for k in bench if "." not in k} == BENCH_KEYS
     assert {k.split(".", 1)[1] for k in bench if k.startswith("row.")} >= ROW_KEYS
+
+
+def test_explain_mla(cli: Any) -> None:
+    args = ["--heads", "16", "--kv-heads", "1", "--head-dim", "576", "--v-head-dim", "512"]
+    code, out, _ = cli("explain", *args, "--mla", "--backend", "reference", *CPU)
+    assert code == 0, out
+    assert "MLA (latent cache)" in out
+    code, out, _ = cli("explain", *args, "--mla", "--backend", "flex", "--json", *CPU)
+    report = json.loads(out)
+    assert (report["layer"]["mla"], report["layout"]["mla"]) == (True, True)
+    assert code == 1
+    assert "must be <= 256 and a multiple of 16, found 576" in json.dumps(report["backends"])
