@@ -40,6 +40,14 @@ class FeatureCase:
 
 
 _GQA = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64}
+_MLA = {  # DeepSeek V3 on 8 GPUs: 16 heads over the 512 + 64 latent, scale 192 ** -0.5
+    "num_heads": 16,
+    "num_kv_heads": 1,
+    "head_dim": 576,
+    "v_head_dim": 512,
+    "scale": 192**-0.5,
+    "mla": True,
+}
 FEATURES: dict[str, FeatureCase] = {
     "mha": FeatureCase({"num_heads": 4, "num_kv_heads": 4, "head_dim": 64}),
     "gqa": FeatureCase(_GQA),
@@ -64,9 +72,16 @@ FEATURES: dict[str, FeatureCase] = {
         {**_GQA, "causal": False, "has_sinks": True, "softcap": 3.0}
     ),
     "fp8-noncausal": FeatureCase({**_GQA, "causal": False}, kv_dtype=_E4M3),
+    "mla": FeatureCase(_MLA),
+    "mla-small": FeatureCase(
+        {**_MLA, "num_heads": 8, "head_dim": 96, "v_head_dim": 64, "scale": 48**-0.5}
+    ),
+    "mla-fp8": FeatureCase(_MLA, kv_dtype=_E4M3),
 }
 """Feature name -> case. "mha" is the plain layer of the preset cases; "gqa" of the others.
-"chunked-24" is not a multiple of the usual page sizes, which virtual-batch backends refuse."""
+"chunked-24" is not a multiple of the usual page sizes, which virtual-batch backends refuse.
+"mla" has DeepSeek's dims; "mla-small" the same shape, small enough for kernels with a head-dim
+limit (a backend serves the dims it declares, ``Capabilities.mla_dims``)."""
 
 
 def _preset(name: str) -> Callable[[int], BatchSpec]:
@@ -99,6 +114,10 @@ _TREE_FEATURES = ("gqa", "mqa", "softcap", "sinks", "v-head-dim", "fp8-e4m3")
 _TREE_PRESETS = ("verify", "mixed", "prefill", "empty_rows")
 """Trees over contexts, next to decodes and prefills, without context, and beside empty rows."""
 _CHUNKED = ("chunked", "chunked-window", "chunked-noncausal", "chunked-sinks", "chunked-24")
+_MLA_FEATURES = ("mla", "mla-small", "mla-fp8")
+_MLA_PRESETS = ("decode", "prefill", "chunked_prefill", "mixed", "verify", "empty_rows")
+"""MLA serves every batch kind the absorbed way (SGLang and vLLM send decodes, verifies and
+short extends down it; prefills too when they choose so)."""
 
 
 def _mixed(seed: int) -> BatchSpec:
@@ -158,6 +177,8 @@ def _packed(cache: KVCache) -> KVCache:
 
 def _copy(cache: KVCache) -> KVCache:
     """A copy that keeps the storage arrangement (a packed cache stays packed)."""
+    if cache.layout.mla:  # one latent tensor: V is a view of it
+        return cache.layout.wrap(cache.k.clone())
     same = cache.k.untyped_storage().data_ptr() == cache.v.untyped_storage().data_ptr()
     if same:
         return _packed(cache)

@@ -62,6 +62,8 @@ from attnsdk.testing._conformance_cases import (
     _DTYPE_FEATURES,
     _LSE_FEATURES,
     _LSE_TOLERANCE,
+    _MLA_FEATURES,
+    _MLA_PRESETS,
     _ORDERS,
     _PAGE_ORDERS,
     _SPLIT_FEATURES,
@@ -339,9 +341,8 @@ class BackendConformance:
             meta = dataclasses.replace(
                 meta, num_tokens=n + extra, slot_mapping=torch.cat([meta.slot_mapping, unused])
             )
-        padded = dataclasses.replace(
-            batch, metadata=meta, q=pad(batch.q), k=pad(batch.k), v=pad(batch.v)
-        )
+        v = None if batch.v is None else pad(batch.v)
+        padded = dataclasses.replace(batch, metadata=meta, q=pad(batch.q), k=pad(batch.k), v=v)
         out, cache = padded.run(subject)
         ref, ref_cache = self.reference_batch(batch).run(oracle)
         self._assert_output(out[:n], ref, layout)
@@ -400,6 +401,27 @@ class BackendConformance:
             batch = self._batch(layer, layout, spec, seed, per_head=f.per_head_scales)
             self._require(subject, batch)
             self._require_step(subject, batch)
+            out = self._compare(subject, oracle, batch)
+            if not lse_reasons_of(subject, layer, layout, dev):
+                with_lse, lse, _ = batch.run_with_lse(subject)
+                _, ref_lse, _ = self.reference_batch(batch).run_with_lse(oracle)
+                assert torch.equal(with_lse, out), "asking for lse= changed the output"
+                self._assert_lse(lse, ref_lse, layout)
+
+    # -- MLA ----------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("preset", _MLA_PRESETS)
+    @pytest.mark.parametrize("feature", _MLA_FEATURES)
+    def test_mla(self, subject: Backend, oracle: Backend, feature: str, preset: str) -> None:
+        """Multi-head latent attention (``LayerSpec.mla`` over a ``KVCacheLayout.mla`` cache,
+        k alone, V its latent dims): output, log-sum-exp and the one latent cache match the
+        reference on every batch kind. A backend that does not serve the case (``Feature.MLA``,
+        ``Capabilities.mla_dims``, fp8) must refuse it before writing; it is then skipped."""
+        layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
+        dev = torch.device(self.device)
+        for seed in range(self.seeds):
+            batch = self._batch(layer, layout, PRESETS[preset](seed), seed)
+            self._require(subject, batch)
             out = self._compare(subject, oracle, batch)
             if not lse_reasons_of(subject, layer, layout, dev):
                 with_lse, lse, _ = batch.run_with_lse(subject)
@@ -491,7 +513,7 @@ class BackendConformance:
     # -- CUDA graphs ----------------------------------------------------------------------------
 
     @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
-    @pytest.mark.parametrize("feature", ["gqa", "chunked"])
+    @pytest.mark.parametrize("feature", ["gqa", "chunked", "mla", "mla-small"])
     @pytest.mark.parametrize("tokens_per_seq", [1, 3])
     def test_graph_replay_equals_eager(
         self, subject: Backend, tokens_per_seq: int, feature: str, with_lse: bool
@@ -542,7 +564,7 @@ class BackendConformance:
         dev, p, max_pages, num_pages = torch.device(self.device), layout.page_size, 8, 200
         gen = torch.Generator().manual_seed(tokens_per_seq)
         graph_cache = layout.allocate(num_pages, dev)
-        for x in (graph_cache.k, graph_cache.v):
+        for x in (graph_cache.k,) if layout.mla else (graph_cache.k, graph_cache.v):
             x.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
         eager_cache = _copy(graph_cache)
 
@@ -554,7 +576,8 @@ class BackendConformance:
 
         def step(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             lse = {"lse": static_lse[: q.shape[0]]} if with_lse else {}
-            return subject.forward(q, k, v, graph_cache, plan, layer, **lse)
+            values = None if layout.mla else v  # an MLA layer's V is the latent part of k
+            return subject.forward(q, k, values, graph_cache, plan, layer, **lse)
 
         runner = GraphRunner(
             subject, step, batch_sizes=sizes, max_pages=max_pages, page_size=p,
@@ -583,7 +606,9 @@ class BackendConformance:
             got = runner(meta, q, k, v).clone()
             eager_lse = torch.full((t, layer.num_heads), float("nan"), device=dev)
             lse = {"lse": eager_lse} if with_lse else {}
-            want = subject.forward(q, k, v, eager_cache, subject.plan(meta), layer, **lse)[:t]
+            values = None if layout.mla else v
+            plan = subject.plan(meta)
+            want = subject.forward(q, k, values, eager_cache, plan, layer, **lse)[:t]
             self._assert_output(got, want, layout)
             if with_lse:
                 self._assert_lse(static_lse[:t], eager_lse, layout)
@@ -608,6 +633,7 @@ class BackendConformance:
             v_head_dim=f.layer.get("v_head_dim"),
             order="HND" if order == PACKED else order,
             kv_dtype=f.kv_dtype,
+            mla=f.layer.get("mla", False),
         )
 
     def _case(
