@@ -71,7 +71,10 @@ class FakeKernel:
             if kw["v_descale"] is not None:
                 v = v * kw["v_descale"][b].float()[:, None]
             k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-            s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * kw["softmax_scale"]
+            s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k)
+            if kw.get("qv") is not None:  # MLA: the latent query against V (hdim 64 x 512)
+                s = s + torch.einsum("qhd,khd->hqk", kw["qv"][q0:q1].float(), v)
+            s = s * kw["softmax_scale"]
             if kw["softcap"]:
                 s = kw["softcap"] * torch.tanh(s / kw["softcap"])
             pos = length - n + torch.arange(n)[:, None]

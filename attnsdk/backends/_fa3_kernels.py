@@ -117,11 +117,14 @@ class KernelCall:
         pack_gqa: bool | None,
         sinks: torch.Tensor | None,
         lse: torch.Tensor | None,
+        qv: torch.Tensor | None = None,
     ) -> None:
-        """Attention into ``out`` and, when given, the log-sum-exp into ``lse`` (T, Hq)."""
+        """Attention into ``out`` and, when given, the log-sum-exp into ``lse`` (T, Hq).
+        ``qv`` (T, Hq, Dv): MLA's second query part, multiplied with ``v_cache`` (the latent)
+        and added to q·k (FA3's hdim 64 x 512 kernels)."""
         if self.direct:
             _, softmax_lse, *_ = self.fwd(
-                q, k_cache, v_cache, None, None, None, out, cu_seqlens_q, None, None, None,
+                q, k_cache, v_cache, None, None, qv, out, cu_seqlens_q, None, None, None,
                 cache_seqlens, max_seqlen_q, None, page_table, None, None, None, None, None,
                 q_descale, k_descale, v_descale, softmax_scale, causal, window[0], window[1],
                 0, softcap, True, scheduler_metadata, num_splits, pack_gqa, 0, sinks,
@@ -146,6 +149,7 @@ class KernelCall:
             "k_descale": k_descale,
             "v_descale": v_descale,
             "scheduler_metadata": scheduler_metadata,
+            "qv": qv,
         }
         kwargs.update({k: t for k, t in optional.items() if t is not None})
         if sinks is not None:

@@ -21,6 +21,12 @@ the prepared layers. The chunk size must be a multiple of the page size. CUDA gr
 chunked layers in decode graphs only, where the virtual batch has one row per sequence and is
 rebuilt on the device inside the graph.
 
+MLA (``LayerSpec.mla``, kv_lora_rank 512 + rope 64), as SGLang's FA3 backend runs it: q's
+rope part against the cache's rope dims as q·k, q's latent part as FA3's ``qv`` against the
+latent (the V view), one launch per step. It needs an FA3 build with the hdim 64 x 512 kernels
+(``flash_attn_config`` without FLASH_ATTENTION_DISABLE_HDIMDIFF64); bf16 / fp16 caches, no
+window, softcap, sinks or chunks, no tree steps; no precomputed scheduler metadata.
+
 Tree verify (``AttentionMetadata.tree_mask``): FA3 takes no mask, so a tree step runs as two
 launches, as SGLang runs EAGLE topk > 1: a non-causal pass over each sequence's context and a
 non-causal pass in which each query row reads its visible draft tokens through a page table
@@ -120,6 +126,9 @@ class _Static:
     page_size: int
     key: tuple[object, ...]
     """What FA3's scheduler metadata depends on besides the batch."""
+    latent: int | None = None
+    """An MLA layer's kv_lora_rank: q and the cache split there into ``qv`` / latent and
+    q / rope (``KVCacheLayout.mla``)."""
 
 
 class FA3Backend(DeviceStoreBackend):
@@ -138,6 +147,7 @@ class FA3Backend(DeviceStoreBackend):
         max_compute_capability=(9, 9),
         features=frozenset(Feature),
         graph_support=GraphSupport.ANY_BATCH,
+        mla_dims=frozenset({(512, 64)}),
     )
     Options = FA3Options
     plan_type = FA3Plan
@@ -220,6 +230,7 @@ class FA3Backend(DeviceStoreBackend):
                 layout.page_size,
                 layer.attention_chunk_size,
             ),
+            latent=layer.kv_lora_rank,
         )
 
     # -- per step ---------------------------------------------------------------------------
@@ -254,6 +265,11 @@ class FA3Backend(DeviceStoreBackend):
     def check_step(self, plan: Plan, cache: KVCache) -> None:
         super().check_step(plan, cache)
         if plan.metadata.tree_mask is not None:
+            if cache.layout.mla:
+                raise UnsupportedConfigError(
+                    "the fa3 backend cannot serve a tree verify step on an MLA layer:",
+                    [Reason(ReasonKind.BATCH, "tree_mask", "is not served with mla=True yet")],
+                )
             _token_pools(cache)  # before anything is written
 
     def attend(
@@ -293,7 +309,8 @@ class FA3Backend(DeviceStoreBackend):
                 q, cache, passes or tree_passes(meta), layer, st, sinks, scales, out, lse
             )
         else:
-            scheduler = self._scheduler(plan, meta, layer, st) if self._precompute else None
+            precompute = self._precompute and st.latent is None  # as SGLang: none for MLA
+            scheduler = self._scheduler(plan, meta, layer, st) if precompute else None
             self._launch(q, cache.k_nhd, cache.v_nhd, out, meta, layer, st, st.causal,
                          sinks, scales, lse, scheduler)  # fmt: skip
         return out if dest is out else dest.copy_(out)
@@ -346,12 +363,17 @@ class FA3Backend(DeviceStoreBackend):
         lse: torch.Tensor | None,
         scheduler: torch.Tensor | None,
     ) -> None:
-        """One FA3 launch over ``meta``'s batch; fp8 scales become (B, Hkv) descales."""
+        """One FA3 launch over ``meta``'s batch; fp8 scales become (B, Hkv) descales. An MLA
+        layer splits q and the cache at the latent: rope parts as q / k, latent ones as qv / v."""
         b, hkv = meta.num_seqs, layer.num_kv_heads
         k_descale, v_descale = (
             None if not st.quantized or x is None else x.reshape(1, -1).expand(b, hkv)
             for x in scales
         )
+        qv = None
+        if st.latent is not None:
+            q, qv = q[..., st.latent :], q[..., : st.latent]
+            k_cache, v_cache = k_cache[..., st.latent :], k_cache[..., : st.latent]
         self._kernel(
             q,
             k_cache,
@@ -373,6 +395,7 @@ class FA3Backend(DeviceStoreBackend):
             pack_gqa=self.options.pack_gqa,
             sinks=sinks,
             lse=lse,
+            qv=qv,
         )
 
     def _virtual(self, plan: Plan, chunk: int, page_size: int) -> AttentionMetadata:
@@ -451,6 +474,8 @@ def _fa3_reasons(
     layer: LayerSpec | None, layout: KVCacheLayout | None, flags: dict[str, bool]
 ) -> list[Reason]:
     """What FA3 (or this build of it) refuses beyond the generic capabilities."""
+    if (layer is not None and layer.mla) or (layout is not None and layout.mla):
+        return _fa3_mla_reasons(layer, layout, flags)
     reasons: list[Reason] = []
     d = dv = None
     if layer is not None:
@@ -516,4 +541,36 @@ def _fa3_reasons(
                     _CFG, "sliding_window", "is not compiled into this FA3 build (DISABLE_LOCAL)"
                 )
             )
+    return reasons
+
+
+def _fa3_mla_reasons(
+    layer: LayerSpec | None, layout: KVCacheLayout | None, flags: dict[str, bool]
+) -> list[Reason]:
+    """An MLA layer (its dims: ``Capabilities.mla_dims``): the qv kernels in this build, a
+    bf16 / fp16 cache, none of the layer options SGLang's FA3 MLA path leaves out."""
+    reasons = []
+    if flags.get("FLASH_ATTENTION_DISABLE_HDIMDIFF64"):
+        reasons.append(
+            Reason(
+                _CFG,
+                "mla",
+                "needs FA3's hdim 64 x 512 (qv) kernels, which this build leaves out "
+                "(FLASH_ATTENTION_DISABLE_HDIMDIFF64 in flash_attn_config); sgl-kernel's and "
+                "vLLM's FA3 builds have them, or use the flashinfer backend",
+            )
+        )
+    if layout is not None and layout.is_quantized:
+        reasons.append(
+            Reason(_CFG, "kv_dtype", f"must be the compute dtype for MLA, found {layout.kv_dtype}")
+        )
+    if layer is not None:
+        for name, wanted in (
+            ("sliding_window", layer.sliding_window is not None),
+            ("softcap", layer.has_softcap),
+            ("has_sinks", layer.has_sinks),
+            ("attention_chunk_size", layer.attention_chunk_size is not None),
+        ):
+            if wanted:
+                reasons.append(Reason(_CFG, name, "is not served with mla=True by fa3"))
     return reasons

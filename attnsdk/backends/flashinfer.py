@@ -25,6 +25,15 @@ sequence per chunk a sequence's queries touch, made once per step and chunk size
 own CSR. The chunk size must be a multiple of the page size. CUDA graphs capture chunked
 variants in decode graphs only, where the virtual batch keeps one row per sequence.
 
+MLA (``LayerSpec.mla``, kv_lora_rank 512 + rope 64): every step of an MLA layer runs
+``BatchMLAPagedAttentionWrapper`` over the latent cache as one packed (N, P, 576) tensor and q
+as (T, Hq, 576), planned per sequence with each row's KV length and the natural-log
+log-sum-exp always on (its lse mode is fixed at plan time; without ``lse=`` it goes to a scratch
+buffer). FlashInfer's MLA ``plan()`` reads the range of the page ids, which live on the device:
+one device sync per step, not per layer. CUDA graphs capture MLA layers in uniform graphs only
+(every row the same query length: decode, verify): the kernel's cluster size, fixed at
+capture, follows the average query length.
+
 fp8 KV (e4m3 / e5m2, bf16 or fp16 q): FlashInfer would take ``k_scale`` / ``v_scale`` as host
 floats (a device read per layer). Instead q is multiplied by ``k_scale`` before the kernel and
 the output by ``v_scale`` after it, on the device, which also serves per-KV-head scales.
@@ -52,7 +61,7 @@ from attnsdk._capabilities import (
     device_reasons,
 )
 from attnsdk._chunked import check_capture, chunk_reasons, virtual_metadata
-from attnsdk._errors import BackendUnavailableError, InvalidInputError
+from attnsdk._errors import BackendUnavailableError, InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphBuffers
 from attnsdk._kv import KVOrder
 from attnsdk.backends._flashinfer_csr import PagedCSR, build_csr, gather_indices
@@ -86,7 +95,7 @@ _HEAD_DIMS = frozenset({64, 128, 256})
 _LN2 = math.log(2.0)
 """FlashInfer's log-sum-exp is log2 of the softmax denominator; attnsdk's is the natural log."""
 
-Kind = Literal["decode", "prefill"]
+Kind = Literal["decode", "prefill", "mla"]
 
 
 class FlashInferOptions(BaseModel):
@@ -101,6 +110,9 @@ class FlashInferOptions(BaseModel):
     """FlashInfer backend of the prefill wrapper. "auto" lets FlashInfer pick FA3 on Hopper for
     long queries (its sm90 module takes minutes to compile); fp8-KV and sink layers stay on fa2,
     whose kernels take a bf16 / fp16 query with an fp8 cache."""
+    mla_backend: Literal["fa3", "fa2", "auto"] = "fa3"
+    """FlashInfer backend of the MLA wrapper (``LayerSpec.mla`` layers): "fa3" (Hopper;
+    JIT-compiled on first use) or "fa2" (any GPU); "auto" lets FlashInfer pick."""
     workspace_mib: int = Field(default=128, ge=16, le=4096)
     """Float workspace (split-KV partial results) per device, shared by every wrapper."""
 
@@ -124,6 +136,8 @@ class _Variant:
     kv_dtype: torch.dtype
     page_size: int
     order: str
+    mla: bool = False
+    """``LayerSpec.mla``: FlashInfer's MLA wrapper, over the packed latent cache."""
 
     @property
     def quantized(self) -> bool:
@@ -188,6 +202,7 @@ class FlashInferGraphState(GraphBuffers):
                 "kv_indptr": torch.zeros(rows + 1, dtype=i32, device=dev),
                 "indices": torch.zeros(cap, dtype=i32, device=dev),
                 "last_page_len": torch.zeros(rows, dtype=i32, device=dev),
+                "kv_len": torch.zeros(rows, dtype=i32, device=dev),
                 "rows": torch.zeros(2 * rows + 1, dtype=torch.int64, device=dev),
             }
         return found
@@ -211,6 +226,7 @@ class FlashInferBackend(DeviceStoreBackend):
         min_compute_capability=(8, 0),
         features=frozenset(Feature) - {Feature.TREE_MASK, Feature.CROSS_ATTENTION},
         graph_support=GraphSupport.ANY_BATCH,
+        mla_dims=frozenset({(512, 64)}),
     )
     Options = FlashInferOptions
     plan_type = FlashInferPlan
@@ -229,6 +245,7 @@ class FlashInferBackend(DeviceStoreBackend):
         self._wrappers: dict[tuple[Kind, _Variant], Any] = {}
         self._owner: dict[int, FlashInferPlan] = {}
         self._planned_copy: dict[int, torch.cuda.Event] = {}
+        self._lse_scratch: dict[torch.device, torch.Tensor] = {}
         self.plan_calls = 0
         """FlashInfer ``plan()`` calls so far (each ~390 µs of host time); tests and benchmarks
         read it to check one call per variant per step."""
@@ -259,6 +276,8 @@ class FlashInferBackend(DeviceStoreBackend):
             dims = {"head_dim": layer.head_dim, "v_head_dim": layer.v_dim}
         if layout is not None:
             dims = {"head_dim": layout.head_dim, "v_head_dim": layout.v_dim}
+        if (layer is not None and layer.mla) or (layout is not None and layout.mla):
+            return reasons + _mla_reasons(layer, layout)  # its dims: ``mla_dims``
         for name, d in dims.items():
             if d not in _HEAD_DIMS:
                 # Measured on an H200: head_dim 80 compiles, then its split-KV merge kernel
@@ -335,6 +354,7 @@ class FlashInferBackend(DeviceStoreBackend):
             kv_dtype=layout.storage_dtype,
             page_size=layout.page_size,
             order=layout.kv_order.value,
+            mla=layout.mla,
         )
 
     def warmup(self, device: torch.device | str | None = None, num_pages: int = 8) -> None:
@@ -349,7 +369,9 @@ class FlashInferBackend(DeviceStoreBackend):
             meta = AttentionMetadata.from_seqlens([1], [1], [[1]], layout.page_size, device=dev)
             q = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=layout.dtype, device=dev)
             k = torch.zeros(1, layer.num_kv_heads, layer.head_dim, dtype=layout.dtype, device=dev)
-            v = torch.zeros(1, layer.num_kv_heads, layer.v_dim, dtype=layout.dtype, device=dev)
+            v = None
+            if not layout.mla:  # an MLA layer's V is the latent part of k
+                v = torch.zeros(1, layer.num_kv_heads, layer.v_dim, dtype=layout.dtype, device=dev)
             sinks = torch.zeros(layer.num_heads, device=dev) if layer.has_sinks else None
             self.forward(q, k, v, cache, self.plan(meta), layer, sinks=sinks)
         if self.prepared and torch.device(device or "cuda").type == "cuda":
@@ -412,6 +434,20 @@ class FlashInferBackend(DeviceStoreBackend):
         variants = self._variants(meta)
         if any(v.chunk is not None for v in variants):
             check_capture(meta)
+        if any(v.mla for v in variants) and meta.max_query_len * batch_size != num_tokens:
+            raise UnsupportedConfigError(
+                "the flashinfer backend captures MLA layers in uniform graphs only:",
+                [
+                    Reason(
+                        ReasonKind.BATCH,
+                        "num_tokens",
+                        f"must be batch_size * max_query_len = {batch_size} * "
+                        f"{meta.max_query_len} for MLA (FlashInfer's MLA kernel fixes its "
+                        f"cluster size, which follows the mean query length, at capture), "
+                        f"found {num_tokens}",
+                    )
+                ],
+            )
         for variant in variants:
             self._plan_variant(plan, variant)
         return plan
@@ -419,8 +455,10 @@ class FlashInferBackend(DeviceStoreBackend):
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
         """Copy ``meta`` into the captured buffers, then re-plan each captured wrapper (one
         FlashInfer ``plan()`` per variant, which writes into the wrapper's fixed buffers)."""
-        super().plan_for_replay(plan, meta)  # refuses any plan but a captured FlashInferPlan
         captured = cast("FlashInferPlan", plan)
+        if isinstance(plan, FlashInferPlan):
+            _check_mla_cluster(captured, meta)
+        super().plan_for_replay(plan, meta)  # refuses any plan but a captured FlashInferPlan
         captured.csr.clear()
         captured.virtual.clear()
         for variant in list(captured.wrappers):
@@ -428,6 +466,8 @@ class FlashInferBackend(DeviceStoreBackend):
 
     def _kind(self, plan: FlashInferPlan, variant: _Variant) -> Kind:
         meta = plan.metadata
+        if variant.mla:
+            return "mla"
         if variant.head_dim != variant.v_dim:
             return "prefill"  # FlashInfer's decode wrappers need head_dim == v_head_dim
         if plan.graph is not None:
@@ -494,7 +534,23 @@ class FlashInferBackend(DeviceStoreBackend):
             "non_blocking": True,
         }
         self._wait_for_previous_plan(wrapper, meta.device)
-        if kind == "decode":
+        if kind == "mla":
+            wrapper.plan(
+                # Host lengths: a CUDA-graph wrapper copies them into its ``kv_len`` buffer.
+                metadata=self._fi.mla.MLAPlanMetadata.csr(
+                    host.qo_indptr, host.kv_indptr, csr.indices, meta.seq_lens_cpu.contiguous()
+                ),
+                num_heads=v.num_heads,
+                head_dim_ckv=v.v_dim,
+                head_dim_kpe=v.head_dim - v.v_dim,
+                page_size=v.page_size,
+                causal=v.causal,
+                sm_scale=v.scale,
+                q_data_type=v.dtype,
+                kv_data_type=v.kv_dtype,
+                lse_mode="basee",
+            )
+        elif kind == "decode":
             wrapper.plan(
                 host.kv_indptr, csr.indices, host.last_page_len,
                 v.num_heads, v.num_kv_heads, v.head_dim, v.page_size, **common,
@@ -556,6 +612,17 @@ class FlashInferBackend(DeviceStoreBackend):
     ) -> Any:
         fi = self._fi
         ws = self._workspace(meta.device)
+        if kind == "mla":
+            mla_kw: dict[str, Any] = {}
+            if bufs is not None:
+                mla_kw = {
+                    "use_cuda_graph": True,
+                    "qo_indptr": bufs["qo_indptr"],
+                    "kv_indptr": bufs["kv_indptr"],
+                    "kv_indices": bufs["indices"],
+                    "kv_len_arr": bufs["kv_len"],
+                }
+            return fi.BatchMLAPagedAttentionWrapper(ws, backend=self.options.mla_backend, **mla_kw)
         fa2_only = v.sinks or v.quantized
         backend = "fa2" if fa2_only else self.options.prefill_backend
         sink_kw = {
@@ -638,6 +705,8 @@ class FlashInferBackend(DeviceStoreBackend):
             planned = self._plan_variant(plan, variant)
         wrapper, kind = planned
         csr = plan.csr[(kind == "decode", variant.page_size, variant.chunk)].host
+        if kind == "mla":
+            return self._attend_mla(wrapper, q, cache, csr.num_q_rows, out, lse)
         rows = csr.num_q_rows if kind == "prefill" else csr.num_rows
         q = q[:rows]
         if q.stride(-1) != 1 or not q.is_contiguous():
@@ -661,6 +730,108 @@ class FlashInferBackend(DeviceStoreBackend):
         if o is not dest:
             dest.copy_(o)
         return out
+
+    def _attend_mla(
+        self,
+        wrapper: Any,
+        q: torch.Tensor,
+        cache: KVCache,
+        rows: int,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """FlashInfer's MLA wrapper: q (rows, Hq, 576) packed, the latent cache (N, P, 576)."""
+        q = q[:rows]
+        if not q.is_contiguous():
+            q = q.contiguous()
+        dest = out[:rows]
+        o = dest if dest.is_contiguous() else torch.empty_like(dest)
+        if lse is None:  # planned with its lse on: a scratch buffer takes it
+            lse = self._scratch_lse(q.device, q.shape[0] * q.shape[1])
+        lse_rows = lse.reshape(-1)[: q.shape[0] * q.shape[1]].view(q.shape[0], q.shape[1])
+        wrapper.run(
+            query=q,
+            kv_cache=cache.k.squeeze(2),
+            out=o,
+            lse=lse_rows,
+            return_lse=True,
+            return_lse_base_on_e=True,
+        )
+        if o is not dest:
+            dest.copy_(o)
+        return out
+
+    def _scratch_lse(self, device: torch.device, size: int) -> torch.Tensor:
+        """A per-device fp32 buffer for the log-sum-exp nobody asked for; it only grows, and a
+        CUDA graph keeps the pointer it captured, so capture after the largest eager step or
+        ``warmup``."""
+        found = self._lse_scratch.get(device)
+        if found is None or found.numel() < size:
+            found = self._lse_scratch[device] = torch.empty(size, device=device)
+        return found
+
+
+def _mla_cluster(query_rows: int, num_heads: int, batch_size: int) -> int:
+    """CTAs per cluster that FlashInfer's sm90 MLA plan picks (``MLAPlan`` in its
+    scheduler.cuh): 2 when a row holds more than 64 (query, head) pairs on average."""
+    return 2 if batch_size and query_rows * num_heads // batch_size > 64 else 1
+
+
+def _check_mla_cluster(captured: FlashInferPlan, meta: AttentionMetadata) -> None:
+    """Refuse, before anything is copied, a replay whose MLA cluster size differs from the
+    captured one: the captured launch keeps its grid, which a re-plan would change."""
+    bs, rows = captured.metadata.num_seqs, captured.metadata.num_tokens
+    # Replay pads the batch to ``bs`` rows, which share the leftover token rows as
+    # GraphBuffers._pad deals them.
+    t, pad_rows, longest = meta.num_tokens, bs - meta.num_seqs, captured.metadata.max_query_len
+    padded = t
+    if pad_rows > 0:
+        share = min((rows - t) // pad_rows, longest)
+        padded = min(rows, t + share * (pad_rows - 1) + longest)
+    for v in captured.wrappers:
+        if not v.mla:
+            continue
+        then, now = _mla_cluster(rows, v.num_heads, bs), _mla_cluster(padded, v.num_heads, bs)
+        if then != now:
+            raise UnsupportedConfigError(
+                "the flashinfer backend cannot replay this MLA step in this graph:",
+                [
+                    Reason(
+                        ReasonKind.BATCH,
+                        "query_lens",
+                        f"give {padded} query rows in {bs} rows, a cluster size of {now}; the "
+                        f"graph was captured with {then} (FlashInfer's MLA kernel fixes it at "
+                        "capture). Capture uniform graphs (decode, verify) and replay full rows",
+                    )
+                ],
+            )
+
+
+def _mla_reasons(layer: LayerSpec | None, layout: KVCacheLayout | None) -> list[Reason]:
+    """What FlashInfer's MLA wrapper takes beyond the dims: no window, softcap, sinks or
+    chunks (it has none), and a bf16 / fp16 latent cache."""
+    reasons = []
+    if layer is not None:
+        for name, wanted in (
+            ("sliding_window", layer.sliding_window is not None),
+            ("softcap", layer.has_softcap),
+            ("has_sinks", layer.has_sinks),
+            ("attention_chunk_size", layer.attention_chunk_size is not None),
+        ):
+            if wanted:
+                reasons.append(
+                    Reason(_CFG, name, "is not served with mla=True (FlashInfer's MLA wrapper)")
+                )
+    if layout is not None and layout.is_quantized:
+        reasons.append(
+            Reason(
+                _CFG,
+                "kv_dtype",
+                f"must be the compute dtype for MLA, found {layout.storage_dtype}: FlashInfer's "
+                "MLA wrapper takes fp8 scales as host floats (not served yet)",
+            )
+        )
+    return reasons
 
 
 def _per_kv_head(x: torch.Tensor, scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

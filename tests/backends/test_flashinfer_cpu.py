@@ -373,8 +373,70 @@ class _FakeDecodeSink(_FakeDecode):
     sinks = True
 
 
+class _FakeMLA:
+    """``BatchMLAPagedAttentionWrapper`` as FlashInfer 0.7.4 documents it: a CSR plan per
+    sequence with each row's KV length, packed q (T, H, ckv + kpe) and cache (N, P, ckv + kpe),
+    bottom-right causal, the lse mode fixed at plan time."""
+
+    def __init__(self, ws: torch.Tensor, use_cuda_graph: bool = False, **kw: Any) -> None:
+        assert ws.dtype == torch.uint8
+        assert kw.pop("backend") in ("fa2", "fa3", "auto")
+        self.graph = use_cuda_graph
+        self.bufs = kw
+        if use_cuda_graph:
+            assert set(kw) == {"qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"}
+
+    def plan(self, *, metadata: Any, **kw: Any) -> None:
+        qo, kv_indptr, indices, kv_len = metadata
+        for t in (qo, kv_indptr, kv_len):  # the host twins
+            assert t.device.type == "cpu", t.device
+            assert t.dtype == torch.int32, t.dtype
+        p = kw["page_size"]
+        pages = (kv_len.long() + p - 1) // p
+        assert torch.equal(pages, (kv_indptr[1:] - kv_indptr[:-1]).long()), "page counts"
+        if self.graph:  # FlashInfer checks the static buffers' shapes, then copies into them
+            assert self.bufs["qo_indptr"].shape == qo.shape
+            assert self.bufs["kv_len_arr"].shape == kv_len.shape
+        self.qo, self.kv_indptr, self.indices, self.kv_len = qo, kv_indptr, indices, kv_len
+        self.kw = kw
+        assert kw["lse_mode"] in ("none", "base2", "basee")
+        _Calls.plans.append((type(self).__name__, id(self)))
+
+    def run(self, *, query: torch.Tensor, kv_cache: torch.Tensor, **kw: Any) -> Any:
+        ckv = self.kw["head_dim_ckv"]
+        assert query.shape[0] == int(self.qo[-1])
+        assert query.shape[-1] == kv_cache.shape[-1]
+        assert kv_cache.dim() == 3
+        assert kv_cache.shape[1] == self.kw["page_size"]
+        assert kv_cache.dtype == self.kw["kv_data_type"] == query.dtype
+        assert kw["return_lse_base_on_e"] == (self.kw["lse_mode"] == "basee")
+        out, lse = kw["out"], kw["lse"]
+        assert out.is_contiguous()
+        assert lse.is_contiguous()
+        qo, kv = self.qo.tolist(), self.kv_indptr.tolist()
+        for r, n in enumerate(self.kv_len.tolist()):
+            rows = query[qo[r] : qo[r + 1]].float()
+            if not rows.shape[0]:
+                continue
+            idx = self.indices[kv[r] : kv[r + 1]].long()
+            keys = kv_cache[idx].reshape(-1, kv_cache.shape[-1])[:n].float()
+            s = torch.einsum("qhd,kd->hqk", rows, keys) * self.kw["sm_scale"]
+            if self.kw["causal"]:
+                pos = n - rows.shape[0] + torch.arange(rows.shape[0])[:, None]
+                s = s.masked_fill(torch.arange(n)[None, :] > pos, float("-inf"))
+            out[qo[r] : qo[r + 1]] = torch.einsum(
+                "hqk,kd->qhd", torch.softmax(s, -1), keys[:, :ckv]
+            ).to(out.dtype)
+            lse[qo[r] : qo[r + 1]] = torch.logsumexp(s, -1).t()
+        return out, lse
+
+
 def fake_flashinfer() -> types.ModuleType:
     mod = types.ModuleType("flashinfer")
+    mod.BatchMLAPagedAttentionWrapper = _FakeMLA  # type: ignore[attr-defined]
+    mod.mla = types.SimpleNamespace(  # type: ignore[attr-defined]
+        MLAPlanMetadata=types.SimpleNamespace(csr=lambda *csr: csr)
+    )
     mod.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill  # type: ignore[attr-defined]
     mod.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode  # type: ignore[attr-defined]
     mod.BatchAttentionWithAttentionSinkWrapper = _FakePrefillSink  # type: ignore[attr-defined]
