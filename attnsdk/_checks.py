@@ -56,17 +56,18 @@ def check_positive_float(field: str, value: object, *, allow_zero: bool = False)
 
 
 def check_mla_dims(record: str, num_kv_heads: int, head_dim: int, v_head_dim: int | None) -> None:
-    """An MLA record (``mla=True``): one KV head, and a latent (``v_head_dim``) shorter than
-    ``head_dim``, whose rest is the rope key. ``for_mla`` builds one from the two dims."""
+    """An MLA record (``mla=True``): one KV head, and a latent (``v_head_dim``) no longer than
+    ``head_dim``, whose rest is the rope key (none: rope_dim 0). ``for_mla`` builds one from
+    the two dims."""
     hint = f"Build it with {record}.for_mla(..., kv_lora_rank=512, rope_dim=64)"
     if num_kv_heads != 1:
         raise InvalidInputError(
             f"{record}.num_kv_heads", "1 for MLA (one latent per token)", num_kv_heads, hint
         )
-    if v_head_dim is None or not v_head_dim < head_dim:
+    if v_head_dim is None or not v_head_dim <= head_dim:
         raise InvalidInputError(
             f"{record}.v_head_dim",
-            f"kv_lora_rank, less than head_dim={head_dim} (kv_lora_rank + rope_dim) for MLA",
+            f"kv_lora_rank, at most head_dim={head_dim} (kv_lora_rank + rope_dim) for MLA",
             v_head_dim,
             hint,
         )

@@ -188,11 +188,13 @@ class SGLangAdapter:
         *,
         has_sinks: bool = False,
         attention_chunk_size: int | None = None,
+        mla: bool = False,
     ) -> LayerSpec:
         """A ``LayerSpec`` from a RadixAttention-like layer (SGLang's window is W - 1; the
-        model's ``attention_chunk_size`` applies to layers with ``use_irope``)."""
+        model's ``attention_chunk_size`` applies to layers with ``use_irope``; ``mla``: a
+        layer over the model's latent pool)."""
         return radix_layer_spec(
-            layer, has_sinks=has_sinks, attention_chunk_size=attention_chunk_size
+            layer, has_sinks=has_sinks, attention_chunk_size=attention_chunk_size, mla=mla
         )
 
     # -- composition ------------------------------------------------------------------------
@@ -242,14 +244,23 @@ class SGLangAdapter:
         )
 
     def kv_cache(
-        self, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *, dtype: torch.dtype | None = None
+        self,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor | None,
+        *,
+        dtype: torch.dtype | None = None,
+        kv_lora_rank: int | None = None,
     ) -> KVCache:
         """One layer's SGLang buffers ``[slots, Hkv, D|Dv]`` as ``[slots/P, P, Hkv, D|Dv]`` views.
 
         No copy: K/V written through the returned cache land in SGLang's buffers. ``dtype`` is
         the compute dtype (q/k/v); it defaults to the buffers' dtype and is required for fp8.
+        ``kv_lora_rank``: ``k_buffer`` is an ``MLATokenToKVPool`` layer ``[slots, 1, rank +
+        rope]`` (``v_buffer`` None or its latent view): an MLA cache whose V is that view.
         """
         for name, buf in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+            if buf is None and name == "v_buffer" and kv_lora_rank is not None:
+                continue
             if not isinstance(buf, torch.Tensor) or buf.dim() != 3:
                 found = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
                 raise InvalidInputError(f"{name}.shape", "(slots, Hkv, head_dim)", found)
@@ -265,6 +276,23 @@ class SGLangAdapter:
                     "dtype", f"the compute dtype for a {k_buffer.dtype} cache", None
                 )
             dtype = k_buffer.dtype
+        pages = k_buffer.shape[0] // self.page_size
+        # unflatten of one dim is always a view, whatever the buffer's strides.
+        k_pages = k_buffer.unflatten(0, (pages, self.page_size))
+        if kv_lora_rank is not None:
+            layout = KVCacheLayout.for_mla(
+                self.page_size,
+                kv_lora_rank=kv_lora_rank,
+                rope_dim=k_buffer.shape[2] - kv_lora_rank,
+                dtype=dtype,
+                kv_dtype=k_buffer.dtype,
+            )
+            latent = None if v_buffer is None else v_buffer.unflatten(0, (pages, self.page_size))
+            return layout.wrap(k_pages, latent)
+        if v_buffer is None:
+            raise InvalidInputError(
+                "v_buffer", "(slots, Hkv, Dv): only an MLA pool (kv_lora_rank) has none", None
+            )
         layout = KVCacheLayout(
             num_kv_heads=k_buffer.shape[1],
             head_dim=k_buffer.shape[2],
@@ -273,11 +301,8 @@ class SGLangAdapter:
             v_head_dim=v_buffer.shape[2],
             kv_dtype=k_buffer.dtype,
         )
-        pages = k_buffer.shape[0] // self.page_size
-        # unflatten of one dim is always a view, whatever the buffer's strides.
         return layout.wrap(
-            k_buffer.unflatten(0, (pages, self.page_size)),
-            v_buffer.unflatten(0, (v_buffer.shape[0] // self.page_size, self.page_size)),
+            k_pages, v_buffer.unflatten(0, (v_buffer.shape[0] // self.page_size, self.page_size))
         )
 
     def validate(self, fb: ForwardBatch, cache: KVCache) -> AttentionMetadata:

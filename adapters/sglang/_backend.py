@@ -61,6 +61,14 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
     runner's static ``out_cache_loc``, so the captured forward writes through
     ``token_to_kv_pool.set_kv_buffer`` with that buffer, as SGLang's own backends do, and the
     attnsdk backend only attends.
+
+    MLA models (``attention_arch`` MLA: DeepSeek V2/V3, Kimi K2): the absorbed layer
+    (``attn_mqa``, head_dim kv_lora_rank + rope) runs as an attnsdk MLA layer over the
+    ``MLATokenToKVPool`` buffer, in both of SGLang's call forms: q ``[T, H*(rank+rope)]`` with
+    k the whole latent row, or q ``[T, H*rank]`` and k ``[T, 1, rank]`` with ``q_rope`` /
+    ``k_rope`` keywords (DeepSeek's ``forward_absorb``). The latent is stored without a scale,
+    as SGLang's pool does. DeepSeek's expanded prefill layer (``attn_mha``: per-head K/V of
+    its own, never the cache) is refused naming ``layer.head_dim``.
     """
 
     needs_cpu_seq_lens = True
@@ -81,6 +89,9 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         self.max_context_len = int(model_runner.model_config.context_len)
         self.attention_chunk_size = _chunk_size(model_runner)
         """The model's chunked local attention (Llama 4), for its layers with ``use_irope``."""
+        self.kv_lora_rank = _kv_lora_rank(model_runner)
+        """An MLA model's latent dims (DeepSeek: 512), whose pool is ``MLATokenToKVPool``;
+        None for other models."""
         # SGLang 0.5.13+ reads both pools off the attention backend (forward_context.py).
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -172,6 +183,9 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         sinks = kwargs.pop("sinks", None)
         want_lse = _wants_lse(fb, kwargs)
         kwargs.pop("return_lse", None)
+        q_rope = k_rope = None
+        if self.kv_lora_rank is not None:
+            q_rope, k_rope = kwargs.pop("q_rope", None), kwargs.pop("k_rope", None)
         # SGLang's runners and models pass more keywords (q_rope / k_rope, fp8 q/k/v descales,
         # score_mod, rel_bias, ...): at None / False they ask for nothing; anything else asks
         # for what this drop-in does not serve yet, which is refused, not ignored.
@@ -188,6 +202,10 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         entry = self._layer(layer, q.dtype, sinks is not None)
         spec, cache = entry.spec, entry.cache
         rows = q.shape[0]
+        if spec.mla:
+            return self._attend_mla(
+                q, k, q_rope, k_rope, layer, fb, save_kv_cache, entry, plan, want_lse
+            )
         q3 = _heads("q", q, spec.num_heads, spec.head_dim)
         k3 = v3 = None
         if (k is None) != (v is None):
@@ -221,6 +239,46 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         out = out.reshape(rows, spec.num_heads * spec.v_dim)
         return (out, lse) if lse is not None else out
 
+    def _attend_mla(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        q_rope: torch.Tensor | None,
+        k_rope: torch.Tensor | None,
+        layer: RadixAttention,
+        fb: ForwardBatch,
+        save_kv_cache: bool,
+        entry: LayerEntry,
+        plan: Plan,
+        want_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed MLA layer: q and the new latent rows as (T, H, rank + rope) and
+        (T, 1, rank + rope), from either of SGLang's call forms (see the class docstring)."""
+        spec, cache = entry.spec, entry.cache
+        rank, heads, rows = spec.v_dim, spec.num_heads, q.shape[0]
+        rope = spec.head_dim - rank
+        if q_rope is not None:
+            q3 = torch.cat(
+                [_heads("q", q, heads, rank), _heads("q_rope", q_rope, heads, rope)], dim=-1
+            )
+        else:
+            q3 = _heads("q", q, heads, spec.head_dim)
+        k3 = None
+        if save_kv_cache and k is not None:
+            if k_rope is not None:
+                k3 = torch.cat([_heads("k", k, 1, rank), _heads("k_rope", k_rope, 1, rope)], -1)
+            else:
+                k3 = _heads("k", k, 1, spec.head_dim)
+            if plan.graph is not None:
+                # A replayed step's slots live in the graph runner's out_cache_loc only.
+                self.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k3, k3[..., :rank])
+                k3 = None
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=q.device) if want_lse else None
+        # SGLang's MLA pool casts the latent to fp8 without a scale, and reads it back so.
+        out = self.backend.forward(q3, k3, None, cache, plan, spec, lse=lse)
+        out = out.reshape(rows, heads * rank)
+        return (out, lse) if lse is not None else out
+
     def _layer(self, layer: RadixAttention, dtype: torch.dtype, sinks: bool) -> LayerEntry:
         pool = self.token_to_kv_pool
         k_buf = pool.get_key_buffer(layer.layer_id)
@@ -245,10 +303,24 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         )
 
         def build() -> LayerEntry:
+            rank = self.kv_lora_rank
+            if rank is not None and layer.head_dim != k_buf.shape[-1]:
+                refuse(
+                    f"layer {layer.layer_id}",
+                    "layer.head_dim",
+                    f"{layer.head_dim} is not the latent pool's {k_buf.shape[-1]}: an MLA "
+                    "model's expanded prefill layer (DeepSeek's attn_mha, per-head K/V that "
+                    "never touch the cache) is not served; only its absorbed layer is",
+                )
             spec = self.adapter.layer_spec(
-                layer, has_sinks=sinks, attention_chunk_size=self.attention_chunk_size
+                layer,
+                has_sinks=sinks,
+                attention_chunk_size=self.attention_chunk_size,
+                mla=rank is not None,
             )
-            cache = self.adapter.kv_cache(k_buf, v_buf, dtype=dtype)
+            cache = self.adapter.kv_cache(
+                k_buf, None if rank is not None else v_buf, dtype=dtype, kv_lora_rank=rank
+            )
             reasons = self.backend.unsupported_reasons(spec, cache.layout, self.device)
             if reasons:
                 raise UnsupportedConfigError(
@@ -273,14 +345,33 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             self.adapter = self._default_adapter()
         return self.adapter
 
+    def _model_shape(self) -> tuple[LayerSpec, KVCacheLayout]:
+        """The model's layer and cache, from its config (total heads: what the capabilities
+        depend on, ratios and dims, is the same per rank)."""
+        runner = self.model_runner
+        cfg = runner.model_config
+        dtype, kv_dtype = runner.dtype, runner.kv_cache_dtype
+        if self.kv_lora_rank is not None:
+            rank, rope = self.kv_lora_rank, int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
+            return (
+                LayerSpec.for_mla(int(cfg.num_attention_heads), kv_lora_rank=rank, rope_dim=rope),
+                KVCacheLayout.for_mla(
+                    self.page_size, kv_lora_rank=rank, rope_dim=rope, dtype=dtype, kv_dtype=kv_dtype
+                ),
+            )
+        total_kv = cfg.get_total_num_kv_heads() if hasattr(cfg, "get_total_num_kv_heads") else None
+        num_kv = int(total_kv or cfg.num_key_value_heads)
+        spec = LayerSpec(
+            num_heads=int(cfg.num_attention_heads), num_kv_heads=num_kv, head_dim=int(cfg.head_dim)
+        )
+        return spec, KVCacheLayout(
+            num_kv, spec.head_dim, self.page_size, dtype=dtype, kv_dtype=kv_dtype
+        )
+
     def _check_model(self) -> None:
         """Fail at start-up, not at the first batch, when the model cannot run on the backend."""
         runner = self.model_runner
-        cfg = runner.model_config
         what = "SGLangAttentionBackend"
-        arch = getattr(getattr(cfg, "attention_arch", None), "name", "MHA")
-        if arch == "MLA":
-            refuse(what, "model_config.attention_arch", "MLA: latent KV is not mapped yet")
         translator = getattr(runner, "kv_index_translator", None)
         if getattr(translator, "is_translating", False):
             refuse(what, "kv_index_translator", "req_to_token holds virtual ids (unified memory)")
@@ -298,21 +389,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
                     f"{tree} needs a backend with tree masks (reference, flex, fa3); "
                     f"{self.backend.name!r} has none",
                 )
-        total_kv = cfg.get_total_num_kv_heads() if hasattr(cfg, "get_total_num_kv_heads") else None
-        num_kv = int(total_kv or cfg.num_key_value_heads)
-        # Total heads: what the capabilities depend on (ratios and dims) is the same per rank.
-        spec = LayerSpec(
-            num_heads=int(cfg.num_attention_heads),
-            num_kv_heads=num_kv,
-            head_dim=int(cfg.head_dim),
-        )
-        layout = KVCacheLayout(
-            num_kv_heads=num_kv,
-            head_dim=spec.head_dim,
-            page_size=self.page_size,
-            dtype=runner.dtype,
-            kv_dtype=runner.kv_cache_dtype,
-        )
+        spec, layout = self._model_shape()
         reasons = self.backend.unsupported_reasons(spec, layout, self.device)
         if self.attention_chunk_size is not None:
             chunked = dataclasses.replace(spec, attention_chunk_size=self.attention_chunk_size)
@@ -321,6 +398,19 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             raise UnsupportedConfigError(
                 f"backend {self.backend.name!r} cannot serve this model:", sorted(set(reasons))
             )
+
+
+def _kv_lora_rank(model_runner: ModelRunner) -> int | None:
+    """An MLA model's ``kv_lora_rank`` (``model_config.attention_arch`` is MLA), else None."""
+    cfg = model_runner.model_config
+    if getattr(getattr(cfg, "attention_arch", None), "name", "MHA") != "MLA":
+        return None
+    rank = getattr(cfg, "kv_lora_rank", None)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise InvalidInputError(
+            "model_config.kv_lora_rank", "an int >= 1 for an MLA model", repr(rank)
+        )
+    return rank
 
 
 def _chunk_size(model_runner: ModelRunner) -> int | None:

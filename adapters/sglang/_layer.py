@@ -26,13 +26,19 @@ _ATTN_KINDS = {
 
 
 def radix_layer_spec(
-    layer: RadixAttention, *, has_sinks: bool = False, attention_chunk_size: int | None = None
+    layer: RadixAttention,
+    *,
+    has_sinks: bool = False,
+    attention_chunk_size: int | None = None,
+    mla: bool = False,
 ) -> LayerSpec:
     """``LayerSpec`` of a RadixAttention-like layer; raises for semantics attnsdk lacks.
 
     ``attention_chunk_size`` is the model's (SGLang's ``model_runner.attention_chunk_size``):
     SGLang's FA3 backend applies it to the layers with ``use_irope`` set (Llama 4's RoPE
-    layers) and to no other, and so does this mapping.
+    layers) and to no other, and so does this mapping. ``mla``: the model's latent pool
+    (``MLATokenToKVPool``) backs the layer (DeepSeek's ``attn_mqa``: one KV head of
+    kv_lora_rank + rope dims, ``v_head_dim`` = kv_lora_rank).
     """
     layer_id = getattr(layer, "layer_id", "?")
     if getattr(layer, "is_cross_attention", False):
@@ -69,6 +75,7 @@ def radix_layer_spec(
         softcap=cap if cap > 0 else None,
         has_sinks=has_sinks,
         attention_chunk_size=attention_chunk_size if getattr(layer, "use_irope", False) else None,
+        mla=mla,
     )
 
 

@@ -607,15 +607,30 @@ SG_CONSTRUCT_CASES = [
         "page-size-zero", "page_size", lambda b: dataclasses.replace(b.model_runner, page_size=0)
     ),
     ctor_case(
-        "mla-model",
-        "model_config.attention_arch",
+        "mla-model-without-kv-lora-rank",
+        "model_config.kv_lora_rank",
         lambda b: dataclasses.replace(
             b.model_runner,
             model_config=namespace(
                 b.model_runner.model_config, attention_arch=SimpleNamespace(name="MLA")
             ),
         ),
+        IIE,
+    ),
+    ctor_case(
+        "mla-model-on-flex-at-deepseek-dims",
+        "head_dim",
+        lambda b: dataclasses.replace(
+            b.model_runner,
+            model_config=namespace(
+                b.model_runner.model_config,
+                attention_arch=SimpleNamespace(name="MLA"),
+                kv_lora_rank=512,
+                qk_rope_head_dim=64,
+            ),
+        ),
         UCE,
+        backend="flex",
     ),
     ctor_case(
         "virtual-kv-indices",

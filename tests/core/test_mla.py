@@ -45,7 +45,7 @@ def test_for_mla_builds_deepseeks_shape() -> None:
     [
         ({"num_heads": 8, "num_kv_heads": 2, "head_dim": 96, "v_head_dim": 64}, "num_kv_heads"),
         ({"num_heads": 8, "num_kv_heads": 1, "head_dim": 96}, "v_head_dim"),
-        ({"num_heads": 8, "num_kv_heads": 1, "head_dim": 64, "v_head_dim": 64}, "v_head_dim"),
+        ({"num_heads": 8, "num_kv_heads": 1, "head_dim": 64, "v_head_dim": 80}, "v_head_dim"),
     ],
 )
 def test_an_mla_layer_needs_one_head_and_a_shorter_latent(

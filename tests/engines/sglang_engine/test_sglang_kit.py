@@ -128,3 +128,56 @@ def test_kit_spec_verify(kind, topk, built):
     sv.run_dense_spec_verify_case(StrictCase(), case, **kwargs)
     assert built
     assert all(type(b) is SGLangAttentionBackend for b in built)
+
+
+def mla_cases() -> list:
+    if importlib.util.find_spec(KIT) is None:
+        return [None]
+    from sglang.test.kits.attention_unittest.attention_methods import mla_attention as ma
+
+    return list(ma.make_mla_cases(DROPIN))
+
+
+MLA_CASES = mla_cases()
+MLA_IDS = [c.name if c else "no-kit-in-0.5.12" for c in MLA_CASES]
+MLA_DIMS = [(32, 0), (32, 16), (512, 64)]
+"""(kv_lora_rank, rope): the kit's default (no rope: K is the latent), one with a rope part
+(the kit's q = [q_nope W_UK, q_rope] path), DeepSeek's."""
+
+
+@pytest.mark.parametrize(("rank", "rope"), MLA_DIMS, ids=[f"r{r}-rope{p}" for r, p in MLA_DIMS])
+@pytest.mark.parametrize("case", MLA_CASES, ids=MLA_IDS)
+def test_kit_mla_case(case, rank, rope, built):
+    """The kit's MLA model (``MLATokenToKVPool``, its absorbed ``attn_mqa``) on the drop-in,
+    every extend and decode case, against the kit's own latent-space reference."""
+    if case is None:
+        assert importlib.util.find_spec(KIT) is None, "0.5.12.post1 has no attention kit"
+        return
+    from sglang.test.kits.attention_unittest.attention_methods import mla_attention as ma
+
+    if rank == 512 and case.batch_size > 2:
+        pytest.skip("DeepSeek's dims run on the two smallest-batch cases (CPU time)")
+    ma.run_mla_attention_case(
+        StrictCase(), case, kv_lora_rank=rank, qk_rope_head_dim=rope, device="cpu",
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    assert built
+    assert all(type(b) is SGLangAttentionBackend for b in built)
+
+
+MLA_DECODE = [c for c in MLA_CASES if c is None or c.forward_mode.is_decode()]
+
+
+@pytest.mark.parametrize("case", MLA_DECODE, ids=[MLA_IDS[MLA_CASES.index(c)] for c in MLA_DECODE])
+def test_kit_mla_cuda_graph_decode(case, built):
+    """The kit's MLA CUDA-graph decode flow (capture, warm-up, padded replay) on the drop-in:
+    inside the graph the latent is written through the pool's ``set_kv_buffer``."""
+    if case is None:
+        assert importlib.util.find_spec(KIT) is None, "0.5.12.post1 has no attention kit"
+        return
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
+
+    cg.run_mla_cuda_graph_decode_case(
+        StrictCase(), case, qk_rope_head_dim=16, device="cpu", dtype=torch.bfloat16
+    )
+    assert [type(b) for b in built] == [SGLangAttentionBackend] * 2

@@ -1,0 +1,165 @@
+"""MLA through SGLang's own objects, both releases: a real ``MLATokenToKVPool``, DeepSeek's
+absorbed ``RadixAttention`` (``attn_mqa``: one KV head of kv_lora_rank + rope dims, V the
+latent), ``ForwardBatch`` steps from SGLang's allocator, and the drop-in created from SGLang's
+registry for a model config whose ``attention_arch`` is MLA.
+
+Each step goes through ``RadixAttention.forward`` in both call forms SGLang uses: DeepSeek's
+``forward_absorb`` (q ``[T, H, rank]``, k the normalised latent ``[T, 1, rank]``, with
+``q_rope`` / ``k_rope`` keywords; the backend writes the latent) and the whole-row form
+(q ``[T, H, rank + rope]``, k the whole latent row). The output and the *whole* latent buffer
+must equal a float64 oracle that reads SGLang's pool through ``req_to_token``. DeepSeek's
+expanded prefill layer (``attn_mha``) is refused naming ``layer.head_dim``; an MLA model on a
+backend that cannot serve its dims is refused at start-up.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from real_sglang import (
+    DROPIN,
+    EngineRunner,
+    Pools,
+    RequestTable,
+    TinyModelConfig,
+    attend,
+    create_backend,
+    tolerance,
+)
+from sglang.srt.configs.model_config import AttentionArch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+from sglang.srt.model_executor.forward_batch_info import ForwardMode as M
+
+from attnsdk import UnsupportedConfigError
+from attnsdk.adapters.sglang import SGLangAttentionBackend
+
+H, RANK, ROPE = 4, 32, 16
+SCALE = (24 + ROPE) ** -0.5  # DeepSeek's: (qk_nope + rope) ** -0.5, not (rank + rope) ** -0.5
+
+
+class MLAConfig(TinyModelConfig):
+    def __init__(self) -> None:
+        super().__init__(num_heads=H, num_kv_heads=1, head_dim=RANK + ROPE)
+        self.attention_arch = AttentionArch.MLA
+        self.kv_lora_rank, self.qk_rope_head_dim = RANK, ROPE
+        self.v_head_dim = RANK
+
+
+class MLAEngine:
+    def __init__(self, page_size: int, dtype: torch.dtype, backend: str = DROPIN) -> None:
+        self.pools = Pools(page_size, dtype, num_pages=12 if page_size == 16 else 192, rows=4)
+        size = self.pools.num_pages * page_size
+        self.pool = MLATokenToKVPool(size, page_size, dtype, RANK, ROPE, 1, "cpu", False)
+        self.pools.kv_pool = self.pool  # what 0.5.12's ForwardBatch carries
+        buf = self.pool.get_key_buffer(0)
+        buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(3)))
+        runner = EngineRunner(self.pools, kv_pool=self.pool)
+        runner.model_config = MLAConfig()
+        self.runner = runner
+        self.dropin = create_backend(runner, backend)
+        self.table = RequestTable(self.pools)
+        self.layer = RadixAttention(H, RANK + ROPE, SCALE, 1, layer_id=0, v_head_dim=RANK)
+        self.gen = torch.Generator().manual_seed(page_size)
+        self.tol = tolerance(dtype)
+
+    def run(self, fb, *, absorbed: bool) -> None:
+        dtype, t = self.pools.dtype, fb.out_cache_loc.shape[0]
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=self.gen).to(dtype)
+
+        q_nope, q_rope = rand(t, H, RANK), rand(t, H, ROPE)
+        k_nope, k_rope = rand(t, 1, RANK), rand(t, 1, ROPE)
+        want_buf = self.pool.get_key_buffer(0).clone()
+        want_buf[fb.out_cache_loc] = torch.cat([k_nope, k_rope], -1)
+        self.dropin.init_forward_metadata(fb)
+        if absorbed:  # DeepSeek's forward_absorb: the backend writes the latent
+            got = attend(self.dropin, self.layer, q_nope, k_nope, k_nope, fb,
+                         q_rope=q_rope, k_rope=k_rope)  # fmt: skip
+        else:
+            row = torch.cat([k_nope, k_rope], -1)
+            q = torch.cat([q_nope, q_rope], -1).flatten(1)
+            got = attend(self.dropin, self.layer, q, row.flatten(1), row[..., :RANK].flatten(1), fb)
+        assert torch.equal(self.pool.get_key_buffer(0), want_buf), "the latent buffer differs"
+        want = self.oracle(fb, torch.cat([q_nope, q_rope], -1), want_buf)
+        assert got.shape == (t, H * RANK)
+        torch.testing.assert_close(got.double(), want, **self.tol)
+
+    def oracle(self, fb, q: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """float64: head h of the query at position p over latents 0..p of its request."""
+        r2t = self.pools.req_to_token_pool.req_to_token
+        lens = fb.seq_lens_cpu.tolist()
+        new = fb.extend_seq_lens_cpu or [1] * len(lens)
+        out, start = [], 0
+        for row, total, n in zip(fb.req_pool_indices.tolist(), lens, new):
+            latent = buf[r2t[row, :total].long(), 0].double()  # (L, rank + rope)
+            scores = torch.einsum("nhd,ld->hnl", q[start : start + n].double(), latent) * SCALE
+            later = torch.arange(total)[None, :] > torch.arange(total - n, total)[:, None]
+            probs = torch.softmax(scores.masked_fill(later, float("-inf")), -1)
+            out.append(torch.einsum("hnl,lr->nhr", probs, latent[:, :RANK]).flatten(1))
+            start += n
+        return torch.cat(out)
+
+
+@pytest.mark.parametrize("absorbed", [True, False], ids=["forward_absorb", "whole-row"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mla_lifecycle(page_size: int, dtype: torch.dtype, absorbed: bool) -> None:
+    e = MLAEngine(page_size, dtype)
+    assert isinstance(e.dropin, SGLangAttentionBackend)
+    a, b = e.table.admit(), e.table.admit()
+    e.run(e.table.batch(M.EXTEND, [(a, 9)]), absorbed=absorbed)
+    a.length = 9
+    e.run(e.table.batch(M.EXTEND, [(a, 5), (b, 20)]), absorbed=absorbed)  # extend + prefill
+    a.length, b.length = 14, 20
+    for _ in range(3):
+        e.run(e.table.batch(M.DECODE, [(a, 1), (b, 1)]), absorbed=absorbed)
+        a.length, b.length = a.length + 1, b.length + 1
+
+
+def test_the_expanded_prefill_layer_is_refused_by_name() -> None:
+    e = MLAEngine(16, torch.bfloat16)
+    a = e.table.admit()
+    fb = e.table.batch(M.EXTEND, [(a, 4)])
+    e.dropin.init_forward_metadata(fb)
+    mha = RadixAttention(H, 24 + ROPE, SCALE, H, layer_id=0, v_head_dim=24)  # DeepSeek's attn_mha
+    q = torch.randn(4, H * (24 + ROPE), dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedConfigError, match=r"layer\.head_dim"):
+        attend(e.dropin, mha, q, None, None, fb, save_kv_cache=False)
+
+
+def test_an_mla_model_on_a_backend_without_its_dims_is_refused_at_start_up() -> None:
+    pools = Pools(16, torch.bfloat16)
+    runner = EngineRunner(pools)
+    runner.model_config = MLAConfig()
+    runner.model_config.kv_lora_rank, runner.model_config.qk_rope_head_dim = 512, 64
+    with pytest.raises(UnsupportedConfigError, match="head_dim must be <= 256"):
+        SGLangAttentionBackend(runner, backend="flex")
+    runner.model_config.attention_arch = SimpleNamespace(name="MLA")
+    del runner.model_config.kv_lora_rank
+    with pytest.raises(ValueError, match=r"model_config\.kv_lora_rank"):
+        SGLangAttentionBackend(runner, backend="reference")
+
+
+def test_deepseeks_dispatch_can_be_pinned_to_the_absorbed_layer() -> None:
+    """What docs/adapters/sglang.md tells integrators: DeepSeek picks absorbed or expanded
+    attention by backend name, and an unknown name (the drop-in's) gets the Triton handler,
+    which sends prompts without a cached prefix to ``attn_mha``. One registered handler pins
+    every step to the absorbed layer the drop-in serves."""
+    from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    registry = handlers.AttentionBackendRegistry
+    assert registry.get_handler(DROPIN) is registry.get_handler("triton")
+    saved = dict(registry._handlers)
+    try:
+        registry.register(DROPIN, lambda attn, forward_batch: AttnForwardMethod.MLA)
+        assert registry.get_handler(DROPIN)(None, None) is AttnForwardMethod.MLA
+    finally:
+        registry._handlers.clear()
+        registry._handlers.update(saved)
