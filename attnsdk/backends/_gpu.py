@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnsdk._base import BackendBase
+from attnsdk._capabilities import Reason, ReasonKind
 from attnsdk._errors import InvalidMetadataError
 
 if TYPE_CHECKING:
@@ -29,10 +30,18 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from attnsdk._backend import Plan
-    from attnsdk._kv import KVCache
+    from attnsdk._kv import KVCache, KVCacheLayout
+    from attnsdk._layer import LayerSpec
     from attnsdk._metadata import AttentionMetadata
 
-__all__ = ["DeviceFlag", "DeviceKVStore", "DeviceStoreBackend", "first_present", "module_present"]
+__all__ = [
+    "DeviceFlag",
+    "DeviceKVStore",
+    "DeviceStoreBackend",
+    "first_present",
+    "mla_kernel_reasons",
+    "module_present",
+]
 
 _FP8_MAX = {
     torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),
@@ -54,6 +63,34 @@ def module_present(name: str) -> bool:
 def first_present(names: Iterable[str]) -> str | None:
     """The first importable module of ``names``; None when none is. Imports nothing."""
     return next((n for n in names if module_present(n)), None)
+
+
+def mla_kernel_reasons(
+    layer: LayerSpec | None, layout: KVCacheLayout | None, kernel: str, fp8_why: str
+) -> list[Reason]:
+    """What the MLA kernels of the GPU backends (FA3's qv path, FlashInfer's MLA wrapper) take
+    beyond their dims: no window, softcap, sinks or chunks (none of them has these), and a
+    bf16 / fp16 latent cache (``fp8_why`` says why not fp8). ``kernel`` names the kernel."""
+    cfg = ReasonKind.CONFIGURATION
+    reasons = []
+    if layer is not None:
+        for name, wanted in (
+            ("sliding_window", layer.sliding_window is not None),
+            ("softcap", layer.has_softcap),
+            ("has_sinks", layer.has_sinks),
+            ("attention_chunk_size", layer.attention_chunk_size is not None),
+        ):
+            if wanted:
+                reasons.append(Reason(cfg, name, f"is not served with mla=True ({kernel})"))
+    if layout is not None and layout.is_quantized:
+        reasons.append(
+            Reason(
+                cfg,
+                "kv_dtype",
+                f"must be the compute dtype for MLA, found {layout.storage_dtype}: {fp8_why}",
+            )
+        )
+    return reasons
 
 
 class DeviceFlag:

@@ -63,7 +63,7 @@ from attnsdk.backends._fa3_kernels import (
     find_provider,
     load_kernel,
 )
-from attnsdk.backends._gpu import DeviceStoreBackend
+from attnsdk.backends._gpu import DeviceStoreBackend, mla_kernel_reasons
 
 if TYPE_CHECKING:
     from attnsdk._graph import GraphBuffers
@@ -547,8 +547,8 @@ def _fa3_reasons(
 def _fa3_mla_reasons(
     layer: LayerSpec | None, layout: KVCacheLayout | None, flags: dict[str, bool]
 ) -> list[Reason]:
-    """An MLA layer (its dims: ``Capabilities.mla_dims``): the qv kernels in this build, a
-    bf16 / fp16 cache, none of the layer options SGLang's FA3 MLA path leaves out."""
+    """An MLA layer (its dims: ``Capabilities.mla_dims``): the qv kernels in this build, and
+    what every GPU MLA kernel refuses (``mla_kernel_reasons``)."""
     reasons = []
     if flags.get("FLASH_ATTENTION_DISABLE_HDIMDIFF64"):
         reasons.append(
@@ -560,17 +560,5 @@ def _fa3_mla_reasons(
                 "vLLM's FA3 builds have them, or use the flashinfer backend",
             )
         )
-    if layout is not None and layout.is_quantized:
-        reasons.append(
-            Reason(_CFG, "kv_dtype", f"must be the compute dtype for MLA, found {layout.kv_dtype}")
-        )
-    if layer is not None:
-        for name, wanted in (
-            ("sliding_window", layer.sliding_window is not None),
-            ("softcap", layer.has_softcap),
-            ("has_sinks", layer.has_sinks),
-            ("attention_chunk_size", layer.attention_chunk_size is not None),
-        ):
-            if wanted:
-                reasons.append(Reason(_CFG, name, "is not served with mla=True by fa3"))
-    return reasons
+    fp8 = "SGLang's FA3 path upcasts an fp8 latent without a scale (not served yet)"
+    return reasons + mla_kernel_reasons(layer, layout, "FA3's qv path", fp8)

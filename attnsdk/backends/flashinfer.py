@@ -65,7 +65,7 @@ from attnsdk._errors import BackendUnavailableError, InvalidInputError, Unsuppor
 from attnsdk._graph import GraphBuffers
 from attnsdk._kv import KVOrder
 from attnsdk.backends._flashinfer_csr import PagedCSR, build_csr, gather_indices
-from attnsdk.backends._gpu import DeviceStoreBackend, module_present
+from attnsdk.backends._gpu import DeviceStoreBackend, mla_kernel_reasons, module_present
 
 if TYPE_CHECKING:
     from attnsdk._kv import KVCache, KVCacheLayout
@@ -277,7 +277,12 @@ class FlashInferBackend(DeviceStoreBackend):
         if layout is not None:
             dims = {"head_dim": layout.head_dim, "v_head_dim": layout.v_dim}
         if (layer is not None and layer.mla) or (layout is not None and layout.mla):
-            return reasons + _mla_reasons(layer, layout)  # its dims: ``mla_dims``
+            return reasons + mla_kernel_reasons(
+                layer,
+                layout,
+                "FlashInfer's MLA wrapper",
+                "FlashInfer's MLA wrapper takes fp8 scales as host floats (not served yet)",
+            )  # its dims: ``mla_dims``
         for name, d in dims.items():
             if d not in _HEAD_DIMS:
                 # Measured on an H200: head_dim 80 compiles, then its split-KV merge kernel
@@ -805,33 +810,6 @@ def _check_mla_cluster(captured: FlashInferPlan, meta: AttentionMetadata) -> Non
                     )
                 ],
             )
-
-
-def _mla_reasons(layer: LayerSpec | None, layout: KVCacheLayout | None) -> list[Reason]:
-    """What FlashInfer's MLA wrapper takes beyond the dims: no window, softcap, sinks or
-    chunks (it has none), and a bf16 / fp16 latent cache."""
-    reasons = []
-    if layer is not None:
-        for name, wanted in (
-            ("sliding_window", layer.sliding_window is not None),
-            ("softcap", layer.has_softcap),
-            ("has_sinks", layer.has_sinks),
-            ("attention_chunk_size", layer.attention_chunk_size is not None),
-        ):
-            if wanted:
-                reasons.append(
-                    Reason(_CFG, name, "is not served with mla=True (FlashInfer's MLA wrapper)")
-                )
-    if layout is not None and layout.is_quantized:
-        reasons.append(
-            Reason(
-                _CFG,
-                "kv_dtype",
-                f"must be the compute dtype for MLA, found {layout.storage_dtype}: FlashInfer's "
-                "MLA wrapper takes fp8 scales as host floats (not served yet)",
-            )
-        )
-    return reasons
 
 
 def _per_kv_head(x: torch.Tensor, scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

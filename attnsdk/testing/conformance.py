@@ -361,18 +361,13 @@ class BackendConformance:
         ``Feature.TREE_MASK`` must refuse the step before writing; the case is then skipped."""
         f = FEATURES[feature]
         layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
-        dev = torch.device(self.device)
         for seed in range(self.seeds):
             spec = PRESETS[preset](seed)
             batch = self._batch(layer, layout, spec, seed, per_head=f.per_head_scales, tree=True)
             self._require(subject, batch)
             self._require_step(subject, batch)
             out = self._compare(subject, oracle, batch)
-            if not lse_reasons_of(subject, layer, layout, dev):
-                with_lse, lse, _ = batch.run_with_lse(subject)
-                _, ref_lse, _ = self.reference_batch(batch).run_with_lse(oracle)
-                assert torch.equal(with_lse, out), "asking for lse= changed the output"
-                self._assert_lse(lse, ref_lse, layout)
+            self._check_lse_of(subject, oracle, batch, out)
             if _branches(batch.metadata):
                 # Ignoring the mask must fail the comparison above by a margin: the causal
                 # chain's output is off by twice the tolerance somewhere.
@@ -395,18 +390,13 @@ class BackendConformance:
         ``Feature.CROSS_ATTENTION`` must refuse the step before writing; it is then skipped."""
         f = FEATURES[feature]
         layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
-        dev = torch.device(self.device)
         for seed in range(self.seeds):
             spec = BatchSpec.cross_attention(seed=seed)
             batch = self._batch(layer, layout, spec, seed, per_head=f.per_head_scales)
             self._require(subject, batch)
             self._require_step(subject, batch)
             out = self._compare(subject, oracle, batch)
-            if not lse_reasons_of(subject, layer, layout, dev):
-                with_lse, lse, _ = batch.run_with_lse(subject)
-                _, ref_lse, _ = self.reference_batch(batch).run_with_lse(oracle)
-                assert torch.equal(with_lse, out), "asking for lse= changed the output"
-                self._assert_lse(lse, ref_lse, layout)
+            self._check_lse_of(subject, oracle, batch, out)
 
     # -- MLA ----------------------------------------------------------------------------------
 
@@ -418,16 +408,11 @@ class BackendConformance:
         reference on every batch kind. A backend that does not serve the case (``Feature.MLA``,
         ``Capabilities.mla_dims``, fp8) must refuse it before writing; it is then skipped."""
         layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
-        dev = torch.device(self.device)
         for seed in range(self.seeds):
             batch = self._batch(layer, layout, PRESETS[preset](seed), seed)
             self._require(subject, batch)
             out = self._compare(subject, oracle, batch)
-            if not lse_reasons_of(subject, layer, layout, dev):
-                with_lse, lse, _ = batch.run_with_lse(subject)
-                _, ref_lse, _ = self.reference_batch(batch).run_with_lse(oracle)
-                assert torch.equal(with_lse, out), "asking for lse= changed the output"
-                self._assert_lse(lse, ref_lse, layout)
+            self._check_lse_of(subject, oracle, batch, out)
 
     # -- the log-sum-exp ----------------------------------------------------------------------
 
@@ -696,6 +681,19 @@ class BackendConformance:
         cross-attention), after checking that it is refused before anything is written."""
         reasons = step_capability_reasons(subject.capabilities, batch.metadata)
         _refused(reasons, subject, batch, with_lse=False)
+
+    def _check_lse_of(
+        self, subject: Backend, oracle: Backend, batch: Batch, out: torch.Tensor
+    ) -> None:
+        """Where the backend serves ``lse=`` for the batch's layer: the log-sum-exp matches the
+        reference's, and asking for it leaves ``out`` (the run without it) bit for bit."""
+        layer, layout = batch.layer, batch.cache.layout
+        if lse_reasons_of(subject, layer, layout, torch.device(self.device)):
+            return
+        with_lse, lse, _ = batch.run_with_lse(subject)
+        _, ref_lse, _ = self.reference_batch(batch).run_with_lse(oracle)
+        assert torch.equal(with_lse, out), "asking for lse= changed the output"
+        self._assert_lse(lse, ref_lse, layout)
 
     def _assert_lse(self, lse: torch.Tensor, ref: torch.Tensor, layout: KVCacheLayout) -> None:
         """Within ``lse_tolerance``; rows that see no key and no sink are -inf on both sides."""
