@@ -353,6 +353,9 @@ class BackendBase(GraphHooks):
         """
         meta = plan.metadata
         t = meta.num_tokens
+        if cache.layout.mla:  # k alone: KVCache.store writes the latent view from it
+            cache.store(k[:t], None, meta.slot_mapping[:t], k_scale=k_scale)
+            return
         cache.store(k[:t], v[:t], meta.slot_mapping[:t], k_scale=k_scale, v_scale=v_scale)
 
     def attend(

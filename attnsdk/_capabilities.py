@@ -121,6 +121,11 @@ class Capabilities:
     MLA layers are checked against ``max_head_dim`` like any other."""
 
 
+def is_mla(layer: LayerSpec | None, layout: KVCacheLayout | None) -> bool:
+    """Whether the layer or the layout (either may be None) asks for MLA."""
+    return (layer is not None and layer.mla) or (layout is not None and layout.mla)
+
+
 def default_device(caps: Capabilities) -> torch.device:
     """Where a backend runs when no device is named: CUDA when it can use CUDA and this machine
     has a GPU (or it runs nowhere else), else the CPU."""
@@ -205,7 +210,7 @@ def capability_reasons(
         dims.update(head_dim=layer.head_dim, v_head_dim=layer.v_dim)
     if layout is not None:
         dims.update(head_dim=layout.head_dim, v_head_dim=layout.v_dim)
-    mla = (layer is not None and layer.mla) or (layout is not None and layout.mla)
+    mla = is_mla(layer, layout)
     if mla:
         reasons += _mla_reasons(caps, layer, layout, dims)
     for name, d in dims.items() if not (mla and caps.mla_dims is not None) else ():

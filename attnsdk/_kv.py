@@ -214,12 +214,7 @@ class KVCacheLayout:
         if not isinstance(k, torch.Tensor):
             raise InvalidInputError("k", "a torch.Tensor", type(k).__name__)
         latent = k[..., : self.v_dim]
-        if v is not None and (
-            not isinstance(v, torch.Tensor)
-            or v.data_ptr() != latent.data_ptr()
-            or v.shape != latent.shape
-            or v.stride() != latent.stride()
-        ):
+        if v is not None and not _same_view(v, latent):
             raise InvalidInputError(
                 "v",
                 f"None or k[..., :{self.v_dim}] for an MLA layout (V is the latent part of k)",
@@ -274,7 +269,7 @@ class KVCache:
         sync-free store.
         """
         if self.layout.mla:
-            if v_scale is not None and v_scale is not k_scale:
+            if v_scale is not None:
                 raise InvalidInputError(
                     "v_scale", "None for an MLA cache (k_scale covers the latent)", "a tensor"
                 )
@@ -341,14 +336,20 @@ def mla_value(k: torch.Tensor, v: torch.Tensor | None, layout: KVCacheLayout) ->
             "k.shape", f"(T, 1, {layout.head_dim})", tuple(getattr(k, "shape", ()))
         )
     latent = k[..., : layout.v_dim]
-    is_latent = isinstance(v, torch.Tensor) and (
-        (v.data_ptr(), v.shape, v.stride()) == (latent.data_ptr(), latent.shape, latent.stride())
-    )
-    if v is not None and not is_latent:
+    if v is not None and not _same_view(v, latent):
         raise InvalidInputError(
             "v", "None for an MLA cache (V is the first kv_lora_rank dims of k)", "a tensor"
         )
     return latent
+
+
+def _same_view(t: object, view: torch.Tensor) -> bool:
+    """``t`` is ``view`` itself or the same view again (data, shape and strides)."""
+    return isinstance(t, torch.Tensor) and (t.data_ptr(), t.shape, t.stride()) == (
+        view.data_ptr(),
+        view.shape,
+        view.stride(),
+    )
 
 
 def quantize(

@@ -103,7 +103,8 @@ class LayerSpec:
     ) -> LayerSpec:
         """An absorbed MLA layer: ``num_kv_heads=1``, ``head_dim=kv_lora_rank + rope_dim``,
         ``v_head_dim=kv_lora_rank``. DeepSeek's ``scale`` is ``(qk_nope_head_dim +
-        qk_rope_head_dim) ** -0.5`` (times its YaRN mscale), not ``head_dim ** -0.5``: pass it.
+        qk_rope_head_dim) ** -0.5`` (times its YaRN mscale squared), not ``head_dim ** -0.5``: pass
+        it.
 
         >>> layer = LayerSpec.for_mla(16, scale=192**-0.5)
         >>> layer.head_dim, layer.v_dim, layer.kv_lora_rank, layer.rope_dim

@@ -42,6 +42,7 @@ class FakeKernel:
     provider = "flash_attn_interface"
     scheduler = None
     returns_lse = True
+    takes_qv = True
 
     def __init__(self) -> None:
         self.batch_sizes: list[int] = []

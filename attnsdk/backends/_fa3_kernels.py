@@ -90,6 +90,12 @@ class KernelCall:
     """Keyword names the Python wrapper accepts (route ``direct=False``)."""
 
     @property
+    def takes_qv(self) -> bool:
+        """Whether a call can pass MLA's ``qv`` (the op's sixth argument; the wrapper's
+        keyword, which vLLM's fork lacks on ``flash_attn_with_kvcache``)."""
+        return self.direct or "qv" in self.wrapper_kwargs
+
+    @property
     def returns_lse(self) -> bool:
         """Whether a call can hand back FA3's ``softmax_lse`` (the op always computes it)."""
         return self.direct or "return_softmax_lse" in self.wrapper_kwargs

@@ -24,8 +24,9 @@ rebuilt on the device inside the graph.
 MLA (``LayerSpec.mla``, kv_lora_rank 512 + rope 64), as SGLang's FA3 backend runs it: q's
 rope part against the cache's rope dims as q·k, q's latent part as FA3's ``qv`` against the
 latent (the V view), one launch per step. It needs an FA3 build with the hdim 64 x 512 kernels
-(``flash_attn_config`` without FLASH_ATTENTION_DISABLE_HDIMDIFF64); bf16 / fp16 caches, no
-window, softcap, sinks or chunks, no tree steps; no precomputed scheduler metadata.
+(``flash_attn_config`` without FLASH_ATTENTION_DISABLE_HDIMDIFF64) and a provider whose call
+takes ``qv``; bf16 / fp16 caches, no window, softcap, sinks or chunks; tree steps as below (the
+latent split applies to both passes); no precomputed scheduler metadata.
 
 Tree verify (``AttentionMetadata.tree_mask``): FA3 takes no mask, so a tree step runs as two
 launches, as SGLang runs EAGLE topk > 1: a non-causal pass over each sequence's context and a
@@ -50,6 +51,7 @@ from attnsdk._capabilities import (
     Reason,
     ReasonKind,
     device_reasons,
+    is_mla,
 )
 from attnsdk._chunked import check_capture, chunk_reasons, prepared_chunks, virtual_metadata
 from attnsdk._errors import UnsupportedConfigError
@@ -169,6 +171,25 @@ class FA3Backend(DeviceStoreBackend):
         """The kernel package in use."""
         return self._kernel.provider
 
+    def unsupported_reasons(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        """``BackendBase``'s, and MLA refused by a provider whose call cannot pass ``qv``."""
+        reasons = super().unsupported_reasons(layer, layout, device)
+        if is_mla(layer, layout) and not self._kernel.takes_qv:
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "mla",
+                    f"needs FA3's qv argument, which {self._kernel.provider}'s "
+                    f"flash_attn_with_kvcache lacks: use flash_attn_interface ({INSTALL_COMMAND})",
+                )
+            )
+        return sorted(reasons)
+
     def lse_reasons(
         self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
     ) -> list[Reason]:
@@ -265,11 +286,6 @@ class FA3Backend(DeviceStoreBackend):
     def check_step(self, plan: Plan, cache: KVCache) -> None:
         super().check_step(plan, cache)
         if plan.metadata.tree_mask is not None:
-            if cache.layout.mla:
-                raise UnsupportedConfigError(
-                    "the fa3 backend cannot serve a tree verify step on an MLA layer:",
-                    [Reason(ReasonKind.BATCH, "tree_mask", "is not served with mla=True yet")],
-                )
             _token_pools(cache)  # before anything is written
 
     def attend(
@@ -474,7 +490,7 @@ def _fa3_reasons(
     layer: LayerSpec | None, layout: KVCacheLayout | None, flags: dict[str, bool]
 ) -> list[Reason]:
     """What FA3 (or this build of it) refuses beyond the generic capabilities."""
-    if (layer is not None and layer.mla) or (layout is not None and layout.mla):
+    if is_mla(layer, layout):
         return _fa3_mla_reasons(layer, layout, flags)
     reasons: list[Reason] = []
     d = dv = None
@@ -560,5 +576,11 @@ def _fa3_mla_reasons(
                 "vLLM's FA3 builds have them, or use the flashinfer backend",
             )
         )
+    if (
+        layout is not None
+        and layout.dtype == torch.float16
+        and flags.get("FLASHATTENTION_DISABLE_FP16")
+    ):
+        reasons.append(Reason(_CFG, "dtype", "float16 is not compiled into this FA3 build"))
     fp8 = "SGLang's FA3 path upcasts an fp8 latent without a scale (not served yet)"
     return reasons + mla_kernel_reasons(layer, layout, "FA3's qv path", fp8)

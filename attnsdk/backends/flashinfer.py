@@ -59,8 +59,10 @@ from attnsdk._capabilities import (
     Reason,
     ReasonKind,
     device_reasons,
+    is_mla,
 )
 from attnsdk._chunked import check_capture, chunk_reasons, virtual_metadata
+from attnsdk._device import compute_capability
 from attnsdk._errors import BackendUnavailableError, InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphBuffers
 from attnsdk._kv import KVOrder
@@ -110,9 +112,10 @@ class FlashInferOptions(BaseModel):
     """FlashInfer backend of the prefill wrapper. "auto" lets FlashInfer pick FA3 on Hopper for
     long queries (its sm90 module takes minutes to compile); fp8-KV and sink layers stay on fa2,
     whose kernels take a bf16 / fp16 query with an fp8 cache."""
-    mla_backend: Literal["fa3", "fa2", "auto"] = "fa3"
-    """FlashInfer backend of the MLA wrapper (``LayerSpec.mla`` layers): "fa3" (Hopper;
-    JIT-compiled on first use) or "fa2" (any GPU); "auto" lets FlashInfer pick."""
+    mla_backend: Literal["auto", "fa3", "fa2"] = "auto"
+    """FlashInfer backend of the MLA wrapper (``LayerSpec.mla`` layers): "auto" takes its fa3
+    variant on Hopper and fa2 elsewhere (each JIT-compiled on first use), "fa3" insists on
+    Hopper's, "fa2" runs on any GPU of sm 8.0 or newer."""
     workspace_mib: int = Field(default=128, ge=16, le=4096)
     """Float workspace (split-KV partial results) per device, shared by every wrapper."""
 
@@ -184,6 +187,18 @@ class FlashInferGraphState(GraphBuffers):
         super().__init__(*args, **kwargs)
         self.wrappers: dict[tuple[int, int, Kind, _Variant], Any] = {}
         self.csr_buffers: dict[tuple[int, int, bool, int | None], dict[str, torch.Tensor]] = {}
+        self.mla_lse: dict[int, torch.Tensor] = {}
+        """Query heads -> a static (max_tokens, heads) fp32 buffer: the log-sum-exp FlashInfer's
+        MLA wrapper always writes, in captured steps that were not asked for one."""
+
+    def lse_buffer(self, heads: int) -> torch.Tensor:
+        """The static lse buffer of captured MLA steps with ``heads`` query heads."""
+        found = self.mla_lse.get(heads)
+        if found is None:
+            found = self.mla_lse[heads] = torch.empty(
+                self.max_tokens, heads, device=self.seq_lens.device
+            )
+        return found
 
     def buffers(
         self, batch_size: int, tokens: int, per_token: bool, chunk: int | None
@@ -245,7 +260,6 @@ class FlashInferBackend(DeviceStoreBackend):
         self._wrappers: dict[tuple[Kind, _Variant], Any] = {}
         self._owner: dict[int, FlashInferPlan] = {}
         self._planned_copy: dict[int, torch.cuda.Event] = {}
-        self._lse_scratch: dict[torch.device, torch.Tensor] = {}
         self.plan_calls = 0
         """FlashInfer ``plan()`` calls so far (each ~390 µs of host time); tests and benchmarks
         read it to check one call per variant per step."""
@@ -276,7 +290,7 @@ class FlashInferBackend(DeviceStoreBackend):
             dims = {"head_dim": layer.head_dim, "v_head_dim": layer.v_dim}
         if layout is not None:
             dims = {"head_dim": layout.head_dim, "v_head_dim": layout.v_dim}
-        if (layer is not None and layer.mla) or (layout is not None and layout.mla):
+        if is_mla(layer, layout):
             return reasons + mla_kernel_reasons(
                 layer,
                 layout,
@@ -332,6 +346,17 @@ class FlashInferBackend(DeviceStoreBackend):
             and not layer.has_sinks
             and layer.head_dim == layer.v_dim  # else the prefill wrapper decodes it
         )
+        if options.mla_backend == "fa3" and device.type == "cuda" and is_mla(layer, layout):
+            cc = compute_capability(device)
+            if cc is not None and cc[0] != 9:
+                return [
+                    Reason(
+                        _CFG,
+                        "mla_backend",
+                        f"'fa3' needs a Hopper GPU (sm 9.x), found sm {cc[0]}.{cc[1]}: use "
+                        "'auto' or 'fa2'",
+                    )
+                ]
         if not cuda_cores or layer is None or layer.group_size in _CUDA_CORE_GROUPS:
             return []
         return [
@@ -627,7 +652,13 @@ class FlashInferBackend(DeviceStoreBackend):
                     "kv_indices": bufs["indices"],
                     "kv_len_arr": bufs["kv_len"],
                 }
-            return fi.BatchMLAPagedAttentionWrapper(ws, backend=self.options.mla_backend, **mla_kw)
+            backend = self.options.mla_backend
+            if backend == "auto":
+                # Chosen here, not by FlashInfer's "auto" policy, whose per-run dispatch
+                # measured ~45 µs of host time per eager layer on the H200.
+                cc = compute_capability(meta.device)
+                backend = "fa3" if cc is not None and cc[0] == 9 else "fa2"
+            return fi.BatchMLAPagedAttentionWrapper(ws, backend=backend, **mla_kw)
         fa2_only = v.sinks or v.quantized
         backend = "fa2" if fa2_only else self.options.prefill_backend
         sink_kw = {
@@ -711,7 +742,7 @@ class FlashInferBackend(DeviceStoreBackend):
         wrapper, kind = planned
         csr = plan.csr[(kind == "decode", variant.page_size, variant.chunk)].host
         if kind == "mla":
-            return self._attend_mla(wrapper, q, cache, csr.num_q_rows, out, lse)
+            return self._attend_mla(wrapper, q, cache, csr.num_q_rows, out, lse, plan.graph)
         rows = csr.num_q_rows if kind == "prefill" else csr.num_rows
         q = q[:rows]
         if q.stride(-1) != 1 or not q.is_contiguous():
@@ -744,6 +775,7 @@ class FlashInferBackend(DeviceStoreBackend):
         rows: int,
         out: torch.Tensor,
         lse: torch.Tensor | None,
+        graph: GraphBuffers | None,
     ) -> torch.Tensor:
         """FlashInfer's MLA wrapper: q (rows, Hq, 576) packed, the latent cache (N, P, 576)."""
         q = q[:rows]
@@ -751,9 +783,15 @@ class FlashInferBackend(DeviceStoreBackend):
             q = q.contiguous()
         dest = out[:rows]
         o = dest if dest.is_contiguous() else torch.empty_like(dest)
-        if lse is None:  # planned with its lse on: a scratch buffer takes it
-            lse = self._scratch_lse(q.device, q.shape[0] * q.shape[1])
-        lse_rows = lse.reshape(-1)[: q.shape[0] * q.shape[1]].view(q.shape[0], q.shape[1])
+        if lse is None:
+            # Planned with its lse on, the wrapper writes one anyway: a captured step into the
+            # graph state's static buffer (a replay writes where the capture did), an eager one
+            # into a buffer of its own.
+            if isinstance(graph, FlashInferGraphState):
+                lse = graph.lse_buffer(q.shape[1])
+            else:
+                lse = torch.empty(q.shape[0], q.shape[1], device=q.device)
+        lse_rows = lse[: q.shape[0]]
         wrapper.run(
             query=q,
             kv_cache=cache.k.squeeze(2),
@@ -765,15 +803,6 @@ class FlashInferBackend(DeviceStoreBackend):
         if o is not dest:
             dest.copy_(o)
         return out
-
-    def _scratch_lse(self, device: torch.device, size: int) -> torch.Tensor:
-        """A per-device fp32 buffer for the log-sum-exp nobody asked for; it only grows, and a
-        CUDA graph keeps the pointer it captured, so capture after the largest eager step or
-        ``warmup``."""
-        found = self._lse_scratch.get(device)
-        if found is None or found.numel() < size:
-            found = self._lse_scratch[device] = torch.empty(size, device=device)
-        return found
 
 
 def _mla_cluster(query_rows: int, num_heads: int, batch_size: int) -> int:

@@ -240,15 +240,17 @@ def make_batch(
             )
         cache = layout.wrap(k_cache.to(device), v_cache.to(device))
     sinks = randn(hq).to(device) if layer.has_sinks else None
-    new_v = randn(t, hkv, dv).to(device, dtype)
+    q = randn(t, hq, d).to(device, dtype)
+    k = randn(t, hkv, d).to(device, dtype)
+    v = randn(t, hkv, dv).to(device, dtype)  # drawn for MLA too: the same stream as before
     return Batch(
         spec=spec,
         layer=layer,
         metadata=meta,
         cache=cache,
-        q=randn(t, hq, d).to(device, dtype),
-        k=randn(t, hkv, d).to(device, dtype),
-        v=None if layout.mla else new_v,
+        q=q,
+        k=k,
+        v=None if layout.mla else v,
         sinks=sinks,
         k_scale=None if k_scale is None else k_scale.to(device),
         v_scale=None if v_scale is None else v_scale.to(device),

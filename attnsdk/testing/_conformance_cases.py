@@ -109,7 +109,7 @@ approximate exp2 / tanh (softcap) instructions. A missing sink term or a base-2 
 by far more (the sink cases check that sinks move the lse by 10 * atol at least)."""
 _CROSS_FEATURES = ("noncausal", "noncausal-sinks-softcap", "fp8-noncausal")
 """Layers a cross-attention step runs on (non-causal, no window, no chunks: ``attnsdk._cross``)."""
-_TREE_FEATURES = ("gqa", "mqa", "softcap", "sinks", "v-head-dim", "fp8-e4m3")
+_TREE_FEATURES = ("gqa", "mqa", "softcap", "sinks", "v-head-dim", "fp8-e4m3", "mla", "mla-small")
 """Layers a tree verify step runs on (causal, no window, no chunks: ``attnsdk._tree``)."""
 _TREE_PRESETS = ("verify", "mixed", "prefill", "empty_rows")
 """Trees over contexts, next to decodes and prefills, without context, and beside empty rows."""
