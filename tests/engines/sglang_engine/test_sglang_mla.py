@@ -7,7 +7,8 @@ Each step goes through ``RadixAttention.forward`` in both call forms SGLang uses
 ``forward_absorb`` (q ``[T, H, rank]``, k the normalised latent ``[T, 1, rank]``, with
 ``q_rope`` / ``k_rope`` keywords; the backend writes the latent) and the whole-row form
 (q ``[T, H, rank + rope]``, k the whole latent row). The output and the *whole* latent buffer
-must equal a float64 oracle that reads SGLang's pool through ``req_to_token``. DeepSeek's
+must equal a float64 oracle that reads SGLang's pool through ``req_to_token``, also for an
+EAGLE topk-2 tree verify (the oracle applies SGLang's own ``custom_mask``). DeepSeek's
 expanded prefill layer (``attn_mha``) is refused naming ``layer.head_dim``; an MLA model on a
 backend that cannot serve its dims is refused at start-up.
 """
@@ -25,6 +26,7 @@ from real_sglang import (
     RequestTable,
     TinyModelConfig,
     attend,
+    chain_verify_input,
     create_backend,
     tolerance,
 )
@@ -65,7 +67,9 @@ class MLAEngine:
         self.gen = torch.Generator().manual_seed(page_size)
         self.tol = tolerance(dtype)
 
-    def run(self, fb, *, absorbed: bool) -> None:
+    def run(self, fb, *, absorbed: bool, query_lens=None, seq_lens=None, mask=None) -> None:
+        """One step; ``query_lens`` / ``seq_lens`` (after the step) default to the batch's,
+        ``mask`` is a verify's ``custom_mask`` in SGLang's layout."""
         dtype, t = self.pools.dtype, fb.out_cache_loc.shape[0]
 
         def rand(*shape: int) -> torch.Tensor:
@@ -84,21 +88,27 @@ class MLAEngine:
             q = torch.cat([q_nope, q_rope], -1).flatten(1)
             got = attend(self.dropin, self.layer, q, row.flatten(1), row[..., :RANK].flatten(1), fb)
         assert torch.equal(self.pool.get_key_buffer(0), want_buf), "the latent buffer differs"
-        want = self.oracle(fb, torch.cat([q_nope, q_rope], -1), want_buf)
+        want = self.oracle(
+            fb, torch.cat([q_nope, q_rope], -1), want_buf, query_lens, seq_lens, mask
+        )
         assert got.shape == (t, H * RANK)
         torch.testing.assert_close(got.double(), want, **self.tol)
 
-    def oracle(self, fb, q: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        """float64: head h of the query at position p over latents 0..p of its request."""
+    def oracle(self, fb, q, buf, query_lens=None, seq_lens=None, mask=None) -> torch.Tensor:
+        """float64: head h of the query at position p over latents 0..p of its request (and,
+        with a verify's ``mask``, only those the mask's row shows)."""
         r2t = self.pools.req_to_token_pool.req_to_token
-        lens = fb.seq_lens_cpu.tolist()
-        new = fb.extend_seq_lens_cpu or [1] * len(lens)
-        out, start = [], 0
+        lens = seq_lens or fb.seq_lens_cpu.tolist()
+        new = query_lens or fb.extend_seq_lens_cpu or [1] * len(lens)
+        out, start, offset = [], 0, 0
         for row, total, n in zip(fb.req_pool_indices.tolist(), lens, new):
             latent = buf[r2t[row, :total].long(), 0].double()  # (L, rank + rope)
             scores = torch.einsum("nhd,ld->hnl", q[start : start + n].double(), latent) * SCALE
-            later = torch.arange(total)[None, :] > torch.arange(total - n, total)[:, None]
-            probs = torch.softmax(scores.masked_fill(later, float("-inf")), -1)
+            hidden = torch.arange(total)[None, :] > torch.arange(total - n, total)[:, None]
+            if mask is not None:
+                hidden |= ~mask[offset : offset + n * total].view(n, total)
+                offset += n * total
+            probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
             out.append(torch.einsum("hnl,lr->nhr", probs, latent[:, :RANK]).flatten(1))
             start += n
         return torch.cat(out)
@@ -118,6 +128,20 @@ def test_mla_lifecycle(page_size: int, dtype: torch.dtype, absorbed: bool) -> No
     for _ in range(3):
         e.run(e.table.batch(M.DECODE, [(a, 1), (b, 1)]), absorbed=absorbed)
         a.length, b.length = a.length + 1, b.length + 1
+
+
+@pytest.mark.parametrize("absorbed", [True, False], ids=["forward_absorb", "whole-row"])
+def test_eagle_tree_verify_on_mla(absorbed: bool) -> None:
+    """EAGLE topk 2 on an MLA model: each draft sees the prefix, its ancestors and itself, as
+    the batch's ``custom_mask`` says (a chain would let draft 3 see drafts 1 and 2)."""
+    e = MLAEngine(16, torch.float32)
+    req = e.table.admit()
+    e.run(e.table.batch(M.EXTEND, [(req, 11)]), absorbed=absorbed)
+    req.length = 11
+    items = [(req, 4)]
+    eagle = chain_verify_input(items, topk=2, parents=[-1, 0, 0, 2])
+    fb = e.table.batch(M.TARGET_VERIFY, items, spec_info=eagle)
+    e.run(fb, absorbed=absorbed, query_lens=[4], seq_lens=[15], mask=eagle.custom_mask)
 
 
 def test_the_expanded_prefill_layer_is_refused_by_name() -> None:
