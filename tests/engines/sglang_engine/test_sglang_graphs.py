@@ -57,8 +57,15 @@ class GraphRunner:
     """The release's decode CUDA-graph runner around a backend, minus the graphs: its static
     inputs (SGLang's classes), and its capture and replay calls with their arguments."""
 
-    def __init__(self, engine: Engine, capture_bs: list[int], mode, per_row: int) -> None:
+    def __init__(
+        self, engine: Engine, capture_bs: list[int], mode, per_row: int, inputs=None
+    ) -> None:
+        """``inputs(layer, n)``: the warm-up forwards' ``(args, kwargs)`` for ``attend``
+        (default: random dense q, k, v)."""
         self.engine, self.backend, self.mode, self.per_row = engine, engine.dropin, mode, per_row
+        self.inputs = inputs or (
+            lambda layer, n: (random_qkv(n, engine.pools.dtype, engine.gen), {})
+        )
         self.capture_bs = sorted(capture_bs)
         max_bs = self.capture_bs[-1]
         tokens = max_bs * per_row
@@ -148,12 +155,8 @@ class GraphRunner:
             )
         for _ in range(2):  # the warm-up forwards before capture (the output is discarded)
             for layer in self.engine.layers:
-                attend(
-                    self.backend,
-                    layer,
-                    *random_qkv(n, self.engine.pools.dtype, self.engine.gen),
-                    fb,
-                )
+                args, kwargs = self.inputs(layer, n)
+                attend(self.backend, layer, *args, fb, **kwargs)
             self.backend.on_after_cuda_graph_warmup()
         return fb
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from real_sglang import (
     DROPIN,
+    NEW_HOOKS,
     EngineRunner,
     Pools,
     RequestTable,
@@ -52,7 +53,7 @@ class MLAConfig(TinyModelConfig):
 
 class MLAEngine:
     def __init__(self, page_size: int, dtype: torch.dtype, backend: str = DROPIN) -> None:
-        self.pools = Pools(page_size, dtype, num_pages=12 if page_size == 16 else 192, rows=4)
+        self.pools = Pools(page_size, dtype, num_pages=24 if page_size == 16 else 384, rows=6)
         size = self.pools.num_pages * page_size
         self.pool = MLATokenToKVPool(size, page_size, dtype, RANK, ROPE, 1, "cpu", False)
         self.pools.kv_pool = self.pool  # what 0.5.12's ForwardBatch carries
@@ -142,6 +143,78 @@ def test_eagle_tree_verify_on_mla(absorbed: bool) -> None:
     eagle = chain_verify_input(items, topk=2, parents=[-1, 0, 0, 2])
     fb = e.table.batch(M.TARGET_VERIFY, items, spec_info=eagle)
     e.run(fb, absorbed=absorbed, query_lens=[4], seq_lens=[15], mask=eagle.custom_mask)
+
+
+@pytest.fixture
+def one_rank():
+    """0.5.23's pool reads the published parallel config: one rank, no context parallelism."""
+    if not NEW_HOOKS:
+        yield
+        return
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0):
+        yield
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_padded_decode_replay_writes_the_latent_through_the_pool(page_size, monkeypatch) -> None:
+    """SGLang's decode CUDA-graph protocol (test_sglang_graphs.GraphRunner: the release's own
+    static inputs and hooks, no graphs recorded) on an MLA model in DeepSeek's call form: a
+    captured forward writes the latent through the pool's ``set_kv_buffer`` at the static
+    ``out_cache_loc``; real rows equal the oracle, and padding rows write only page 0.
+
+    0.5.12's ``set_mla_kv_buffer`` is a Triton kernel, replaced here
+    by the same write in PyTorch (latent at ``[:rank]``, rope after it)."""
+    from test_sglang_graphs import GraphRunner
+
+    e = MLAEngine(page_size, torch.float32)
+    if not NEW_HOOKS:
+
+        def set_mla_kv_buffer(layer, loc, nope, rope):
+            e.pool.get_key_buffer(layer.layer_id)[loc] = torch.cat([nope, rope], -1)
+
+        monkeypatch.setattr(e.pool, "set_mla_kv_buffer", set_mla_kv_buffer)
+    e.layers = [e.layer]
+    reqs = [e.table.admit() for _ in range(5)]
+    lengths = [19, 33, 5, 16, 40]
+    e.run(e.table.batch(M.EXTEND, list(zip(reqs, lengths))), absorbed=True)
+    for req, n in zip(reqs, lengths):
+        req.length = n
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=e.gen)
+
+    def inputs(layer, n):
+        k_nope = rand(n, 1, RANK)
+        return (rand(n, H, RANK), k_nope, k_nope), {
+            "q_rope": rand(n, H, ROPE),
+            "k_rope": rand(n, 1, ROPE),
+        }
+
+    runner = GraphRunner(e, [2, 4], M.DECODE, 1, inputs=inputs)
+    p = page_size
+    for rows in (3, 1):
+        live = e.table.batch(M.DECODE, [(req, 1) for req in reqs[:rows]])
+        static = runner.replay_prepare(live)
+        pad = static.batch_size - rows
+        assert pad > 0, "the replay must be padded"
+        (q, k, _), kw = inputs(e.layer, rows)
+        want_buf = e.pool.get_key_buffer(0).clone()
+        want_buf[live.out_cache_loc] = torch.cat([k, kw["k_rope"]], -1)
+
+        def padded(x: torch.Tensor, pad: int = pad) -> torch.Tensor:
+            return torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+
+        got = attend(e.dropin, e.layer, padded(q), padded(k), padded(k), static,
+                     q_rope=padded(kw["q_rope"]), k_rope=padded(kw["k_rope"]))[:rows]  # fmt: skip
+        buf = e.pool.get_key_buffer(0)
+        assert torch.equal(buf[p:], want_buf[p:]), "the latent buffer differs past page 0"
+        want = e.oracle(live, torch.cat([q, kw["q_rope"]], -1), want_buf)
+        torch.testing.assert_close(got.double(), want, **e.tol)
+        for req in reqs[:rows]:
+            req.length += 1
 
 
 def test_the_expanded_prefill_layer_is_refused_by_name() -> None:
