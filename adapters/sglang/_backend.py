@@ -66,10 +66,11 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         (``attn_mqa``, head_dim kv_lora_rank + rope) runs as an attnsdk MLA layer over the
         ``MLATokenToKVPool`` buffer, in both of SGLang's call forms: q ``[T, H*(rank+rope)]`` with
         k the whole latent row, or q ``[T, H*rank]`` and k ``[T, 1, rank]`` with ``q_rope`` /
-        ``k_rope`` keywords (DeepSeek's ``forward_absorb``). Captured steps write the latent through
-    the pool's ``set_mla_kv_buffer`` (``set_kv_buffer`` for whole rows). The latent is stored without a scale,
-        as SGLang's pool does. DeepSeek's expanded prefill layer (``attn_mha``: per-head K/V of
-        its own, never the cache) is refused naming ``layer.head_dim``.
+        ``k_rope`` keywords (DeepSeek's ``forward_absorb``). Captured steps write the latent
+        through the pool's ``set_mla_kv_buffer`` (``set_kv_buffer`` for whole rows). The latent
+        is stored without a scale, as SGLang's pool does. DeepSeek's expanded prefill layer
+        (``attn_mha``: per-head K/V of its own, never the cache) is refused naming
+        ``layer.head_dim``.
     """
 
     needs_cpu_seq_lens = True
