@@ -50,27 +50,27 @@ SGLANG_VERSIONS = EngineVersions("sglang", ("0.5.12.post1", "0.5.23"))
 class SGLangAttentionBackendImpl(SGLangGraphHooks):
     """Drop-in SGLang attention backend: SGLang's method names, an attnsdk backend underneath.
 
-        Import it as ``attnsdk.adapters.sglang.SGLangAttentionBackend`` (this class with SGLang's
-        ``AttentionBackend`` mixed in when SGLang is installed). ``backend`` is a backend name, an
-        ``AttentionConfig`` or a ``Backend`` instance; ``adapter`` lets an integrator pass an
-        ``SGLangAdapter`` subclass. Construction checks the model against the backend and raises
-        ``UnsupportedConfigError`` with every reason.
+    Import it as ``attnsdk.adapters.sglang.SGLangAttentionBackend`` (this class with SGLang's
+    ``AttentionBackend`` mixed in when SGLang is installed). ``backend`` is a backend name, an
+    ``AttentionConfig`` or a ``Backend`` instance; ``adapter`` lets an integrator pass an
+    ``SGLangAdapter`` subclass. Construction checks the model against the backend and raises
+    ``UnsupportedConfigError`` with every reason.
 
-        K/V writes: eagerly, new K/V go to ``Backend.forward`` with the step's slot mapping
-        (``out_cache_loc``). In a captured graph the slots of a replayed step live only in the graph
-        runner's static ``out_cache_loc``, so the captured forward writes through
-        ``token_to_kv_pool.set_kv_buffer`` with that buffer, as SGLang's own backends do, and the
-        attnsdk backend only attends.
+    K/V writes: eagerly, new K/V go to ``Backend.forward`` with the step's slot mapping
+    (``out_cache_loc``). In a captured graph the slots of a replayed step live only in the graph
+    runner's static ``out_cache_loc``, so the captured forward writes through
+    ``token_to_kv_pool.set_kv_buffer`` with that buffer, as SGLang's own backends do, and the
+    attnsdk backend only attends.
 
-        MLA models (``attention_arch`` MLA: DeepSeek V2/V3, Kimi K2): the absorbed layer
-        (``attn_mqa``, head_dim kv_lora_rank + rope) runs as an attnsdk MLA layer over the
-        ``MLATokenToKVPool`` buffer, in both of SGLang's call forms: q ``[T, H*(rank+rope)]`` with
-        k the whole latent row, or q ``[T, H*rank]`` and k ``[T, 1, rank]`` with ``q_rope`` /
-        ``k_rope`` keywords (DeepSeek's ``forward_absorb``). Captured steps write the latent
-        through the pool's ``set_mla_kv_buffer`` (``set_kv_buffer`` for whole rows). The latent
-        is stored without a scale, as SGLang's pool does. DeepSeek's expanded prefill layer
-        (``attn_mha``: per-head K/V of its own, never the cache) is refused naming
-        ``layer.head_dim``.
+    MLA models (``attention_arch`` MLA: DeepSeek V2/V3, Kimi K2): the absorbed layer
+    (``attn_mqa``, head_dim kv_lora_rank + rope) runs as an attnsdk MLA layer over the
+    ``MLATokenToKVPool`` buffer, in both of SGLang's call forms: q ``[T, H*(rank+rope)]`` with
+    k the whole latent row, or q ``[T, H*rank]`` and k ``[T, 1, rank]`` with ``q_rope`` /
+    ``k_rope`` keywords (DeepSeek's ``forward_absorb``). Captured steps write the latent
+    through the pool's ``set_mla_kv_buffer`` (``set_kv_buffer`` for whole rows). The latent
+    is stored without a scale, as SGLang's pool does. DeepSeek's expanded prefill layer
+    (``attn_mha``: per-head K/V of its own, never the cache) is refused naming
+    ``layer.head_dim``.
     """
 
     needs_cpu_seq_lens = True
