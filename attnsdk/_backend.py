@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from attnsdk._graph import GraphBuffers
     from attnsdk._kv import KVCacheLayout
 
-__all__ = ["Backend", "Plan", "check_forward_args"]
+__all__ = ["Backend", "Plan", "check_forward_args", "check_plan", "check_tensor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +151,7 @@ def check_forward_args(
 
     Raises ``InvalidInputError`` naming the argument before anything is written.
     """
-    if not isinstance(plan, Plan):
-        hint = (
-            "Pass backend.plan(metadata), made once per step, not the metadata itself"
-            if isinstance(plan, AttentionMetadata)
-            else ""
-        )
-        raise InvalidInputError("plan", "a Plan from backend.plan(metadata)", _kind(plan), hint)
+    check_plan(plan)
     if not isinstance(cache, KVCache):
         raise InvalidInputError(
             "cache", "a KVCache (KVCacheLayout.allocate or .wrap)", _kind(cache)
@@ -166,10 +160,6 @@ def check_forward_args(
         raise InvalidInputError("layer", "a LayerSpec", _kind(layer))
     layout = cache.layout
     meta = plan.metadata
-    if not isinstance(meta, AttentionMetadata):
-        raise InvalidInputError(
-            "plan.metadata", "an AttentionMetadata (plans come from backend.plan)", _kind(meta)
-        )
     if meta.page_size is not None and meta.page_size != layout.page_size:
         raise InvalidInputError(
             "plan.metadata.page_size",
@@ -199,7 +189,7 @@ def check_forward_args(
         raise InvalidInputError(
             "layer.mla", f"{layout.mla} like the cache layout", layer.mla, _MLA_HINT
         )
-    _tensor("q", q, (None, hq, d), layout.dtype, cache.device)
+    check_tensor("q", q, (None, hq, d), layout.dtype, cache.device)
     rows = q.shape[0]
     if rows < meta.num_tokens:
         raise InvalidInputError("q.shape[0]", f">= num_tokens={meta.num_tokens}", rows)
@@ -215,9 +205,9 @@ def check_forward_args(
     elif (k is None) != (v is None):
         raise InvalidInputError("k/v", "both tensors or both None", "only one of them")
     if k is not None:
-        _tensor("k", k, (rows, hkv, d), layout.dtype, cache.device)
+        check_tensor("k", k, (rows, hkv, d), layout.dtype, cache.device)
         if v is not None:
-            _tensor("v", v, (rows, hkv, dv), layout.dtype, cache.device)
+            check_tensor("v", v, (rows, hkv, dv), layout.dtype, cache.device)
         if meta.slot_mapping.shape[0] < meta.num_tokens:
             raise InvalidInputError(
                 "plan.metadata.slot_mapping",
@@ -225,9 +215,9 @@ def check_forward_args(
                 meta.slot_mapping.shape[0],
             )
     if out is not None:
-        _tensor("out", out, (rows, hq, dv), layout.dtype, cache.device)
+        check_tensor("out", out, (rows, hq, dv), layout.dtype, cache.device)
     if lse is not None:
-        _tensor("lse", lse, (rows, hq), torch.float32, cache.device)
+        check_tensor("lse", lse, (rows, hq), torch.float32, cache.device)
         # Kernels write (T, Hq) rows in place, and a CUDA graph keeps the pointer it captured.
         if not lse.is_contiguous():
             raise InvalidInputError(
@@ -241,7 +231,7 @@ def check_forward_args(
             raise InvalidInputError(
                 "sinks", f"an fp32 tensor of shape ({hq},) (layer.has_sinks)", None
             )
-        _tensor("sinks", sinks, (hq,), torch.float32, cache.device)
+        check_tensor("sinks", sinks, (hq,), torch.float32, cache.device)
     elif sinks is not None:
         raise InvalidInputError("sinks", "None (layer.has_sinks is False)", tuple(sinks.shape))
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -263,6 +253,23 @@ def check_forward_args(
         raise InvalidInputError("plan.metadata.device", str(cache.device), meta.device)
 
 
+def check_plan(plan: object) -> None:
+    """``plan`` is a ``Plan`` holding an ``AttentionMetadata`` (the metadata itself is named)."""
+    if not isinstance(plan, Plan):
+        hint = (
+            "Pass backend.plan(metadata), made once per step, not the metadata itself"
+            if isinstance(plan, AttentionMetadata)
+            else ""
+        )
+        raise InvalidInputError("plan", "a Plan from backend.plan(metadata)", _kind(plan), hint)
+    if not isinstance(plan.metadata, AttentionMetadata):
+        raise InvalidInputError(
+            "plan.metadata",
+            "an AttentionMetadata (plans come from backend.plan)",
+            _kind(plan.metadata),
+        )
+
+
 _MLA_HINT = "Build both with LayerSpec.for_mla and KVCacheLayout.for_mla"
 
 
@@ -270,19 +277,26 @@ def _kind(value: object) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
 
 
-def _tensor(
+def check_tensor(
     name: str,
-    t: torch.Tensor,
+    t: object,
     shape: tuple[int | None, ...],
     dtype: torch.dtype,
     device: torch.device,
+    *,
+    dtype_of: str = "",
+    device_of: str = "the cache's",
 ) -> None:
+    """``t`` is a tensor of ``shape`` (None: any length, shown as T), ``dtype`` and ``device``;
+    else ``InvalidInputError`` naming ``name``. ``dtype_of`` / ``device_of`` say whose dtype
+    and device those are, for the message."""
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
     if t.dim() != len(shape) or any(e is not None and e != f for e, f in zip(shape, t.shape)):
         legend = tuple("T" if e is None else e for e in shape)
         raise InvalidInputError(f"{name}.shape", str(legend), tuple(t.shape))
     if t.dtype != dtype:
-        raise InvalidInputError(f"{name}.dtype", str(dtype), t.dtype)
+        expected = f"{dtype} ({dtype_of} dtype)" if dtype_of else str(dtype)
+        raise InvalidInputError(f"{name}.dtype", expected, t.dtype)
     if t.device != device:
-        raise InvalidInputError(f"{name}.device", f"the cache's device {device}", t.device)
+        raise InvalidInputError(f"{name}.device", f"{device_of} device {device}", t.device)

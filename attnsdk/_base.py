@@ -30,6 +30,7 @@ from attnsdk._backend import Plan, check_forward_args
 from attnsdk._capabilities import (
     Capabilities,
     Reason,
+    ReasonKind,
     capability_reasons,
     default_device,
     device_reasons,
@@ -41,6 +42,7 @@ from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVCacheLayout, mla_value
 from attnsdk._layer import LayerSpec
+from attnsdk._ragged import check_ragged_args, key_starts, ragged_capability_reasons
 from attnsdk._tree import tree_reasons
 from attnsdk._validate import check_metadata
 from attnsdk._warmup import warm_up
@@ -111,6 +113,9 @@ class BackendBase(GraphHooks):
             )
         self.options = options if options is not None else self.Options()
         self._layer_states: dict[tuple[LayerSpec, KVCacheLayout], Any] = {}
+        self._ragged_served: set[tuple[LayerSpec, torch.dtype, torch.device]] = set()
+        """(layer, dtype, device) that ``ragged_reasons`` passed: asked once, not per call
+        (FlashInfer's check looks up its package, ~tens of µs)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -319,6 +324,75 @@ class BackendBase(GraphHooks):
             q, cache, plan, layer, state,
             sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
         )  # fmt: skip
+
+    def forward_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over K/V given in the call; no cache is read or written (``attnsdk._ragged``).
+
+        q: (T, Hq, D); k: (Tk, Hkv, D) and v: (Tk, Hkv, Dv), sequence b's keys at rows
+        ``key_start_loc[b]:key_start_loc[b+1]`` (Tk >= sum(seq_lens)), all in q's dtype.
+        ``plan`` comes from ``plan(meta)``, typically of ``AttentionMetadata.for_ragged``;
+        sinks, out and lse as in ``forward``. Returns (T, Hq, Dv) in q's dtype.
+        """
+        check_ragged_args(q, k, v, plan, layer, sinks=sinks, out=out, lse=lse)
+        reasons: list[Reason] = []
+        served = (layer, q.dtype, q.device)
+        if served not in self._ragged_served:
+            reasons = self.ragged_reasons(layer, q.device)
+            if q.dtype not in self.capabilities.dtypes:
+                reasons.append(
+                    Reason(ReasonKind.CONFIGURATION, "q.dtype", f"unsupported: {q.dtype}")
+                )
+            if not reasons:
+                self._ragged_served.add(served)
+        if lse is not None:
+            reasons += lse_capability_reasons(self.capabilities)
+        if plan.metadata.cross_attention:
+            reasons += cross_reasons(layer)
+        if reasons:
+            raise UnsupportedConfigError(
+                f"the {self.name} backend cannot run this layer ragged:", sorted(set(reasons))
+            )
+        if out is None:
+            out = torch.empty(
+                q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
+            )
+        return self.attend_ragged(
+            q, k, v, plan, layer, key_starts(plan.metadata), sinks=sinks, out=out, lse=lse
+        )
+
+    def ragged_reasons(self, layer: LayerSpec, device: torch.device | str | None) -> list[Reason]:
+        """Why ``forward_ragged`` cannot run ``layer`` on ``device``; [] when it can. Default:
+        the capabilities (``Feature.RAGGED``, dims, device); backends add kernel limits."""
+        return ragged_capability_reasons(self.capabilities, layer, device)
+
+    def attend_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        key_start_loc: torch.Tensor,
+        *,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Hook of a backend declaring ``Feature.RAGGED``: the attention of ``forward_ragged``
+        into ``out`` (and ``lse``), every argument checked; ``key_start_loc`` (B + 1,) int32
+        on the device says where each sequence's keys start in k / v."""
+        raise NotImplementedError(f"{type(self).__name__} declares no ragged attention")
 
     def lse_reasons(
         self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device

@@ -56,10 +56,11 @@ class Reason:
 class Feature(str, enum.Enum):
     """Optional semantics of DESIGN §2 that a backend may or may not implement.
 
-    All but ``LSE``, ``TREE_MASK`` and ``CROSS_ATTENTION`` are properties of a layer
+    All but ``LSE``, ``TREE_MASK``, ``CROSS_ATTENTION`` and ``RAGGED`` are properties of a layer
     (``capability_reasons`` checks them against a ``LayerSpec``); ``LSE`` is asked per call, by
-    passing ``lse=`` to ``forward``, and the other two per step, by a plan of metadata with a
-    ``tree_mask`` or ``cross_attention`` (``step_capability_reasons``).
+    passing ``lse=`` to ``forward``, ``RAGGED`` by calling ``forward_ragged``, and the other two
+    per step, by a plan of metadata with a ``tree_mask`` or ``cross_attention``
+    (``step_capability_reasons``).
     """
 
     GQA = "gqa"
@@ -79,6 +80,8 @@ class Feature(str, enum.Enum):
     """``AttentionMetadata.cross_attention``: steps over an encoder's keys (``attnsdk._cross``)."""
     MLA = "mla"
     """``LayerSpec.mla`` over a ``KVCacheLayout.mla`` latent cache (V is part of K)."""
+    RAGGED = "ragged"
+    """``forward_ragged``: attention over K/V given in the call, no cache (``attnsdk._ragged``)."""
 
 
 class GraphSupport(enum.IntEnum):
@@ -289,11 +292,14 @@ def lse_capability_reasons(caps: Capabilities) -> list[Reason]:
 
 def step_capability_reasons(caps: Capabilities, meta: AttentionMetadata) -> list[Reason]:
     """Why a step is refused by what ``caps`` declares: a ``tree_mask`` without
-    ``Feature.TREE_MASK``, ``cross_attention`` without ``Feature.CROSS_ATTENTION``."""
+    ``Feature.TREE_MASK``, ``cross_attention`` without ``Feature.CROSS_ATTENTION`` (unless the
+    step is ragged: no page table, for ``forward_ragged`` of a backend with ``Feature.RAGGED``,
+    which then serves the flag itself)."""
     reasons = []
     if meta.tree_mask is not None and Feature.TREE_MASK not in caps.features:
         reasons.append(Reason(ReasonKind.BATCH, "tree_mask", "is not supported by this backend"))
-    if meta.cross_attention and Feature.CROSS_ATTENTION not in caps.features:
+    ragged = Feature.RAGGED in caps.features and meta.page_table.shape[-1] == 0
+    if meta.cross_attention and Feature.CROSS_ATTENTION not in caps.features and not ragged:
         reasons.append(
             Reason(ReasonKind.BATCH, "cross_attention", "is not supported by this backend")
         )

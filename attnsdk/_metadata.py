@@ -74,6 +74,12 @@ class AttentionMetadata:
     than keys (``seq_lens[b] == 0``: its rows are zero); ``forward`` writes nothing (k = v =
     None; ``slot_mapping`` holds -1). Non-causal layers without a window or chunks only. See
     docs/kv_layout.md, "Cross-attention"."""
+    key_start_loc: torch.Tensor | None = None
+    """(B + 1,) int32, on the device, or None: prefix sum of ``seq_lens``, starting at 0. Only
+    ``forward_ragged`` reads it: sequence b's keys are rows ``key_start_loc[b]:key_start_loc[b+1]``
+    of its k and v. None: derived there (``query_start_loc`` itself when every ``seq_len``
+    equals its query length, else one prefix sum per call). See docs/kv_layout.md, "Ragged
+    attention"."""
 
     @property
     def num_seqs(self) -> int:
@@ -108,16 +114,11 @@ class AttentionMetadata:
         ``tree_mask`` (see the field; ``tree_mask_from_parents`` builds one) is moved to
         ``device``. ``cross_attention``: ``seq_lens`` are encoder lengths, which the query
         lengths may exceed, and the slot mapping is -1 (the step writes nothing).
+        ``for_ragged`` builds the metadata of a step that reads no cache.
         """
-        q = _host_ints("query_lens", query_lens)
-        s = _host_ints("seq_lens", seq_lens)
-        if q.shape != s.shape:
-            raise InvalidMetadataError(
-                "query_lens", f"one length per sequence ({s.shape[0]} like seq_lens)", q.shape[0]
-            )
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidMetadataError("page_size", "a positive int", repr(page_size))
-        _check_lengths(q, s, cross_attention)
+        q, s = _lengths(query_lens, seq_lens, cross_attention)
         pt = _page_table(page_table)
         device = pt.device if device is None else check_device("device", device)
         if pt.dim() != 2 or pt.shape[0] != s.shape[0]:
@@ -158,6 +159,42 @@ class AttentionMetadata:
         )
 
     @classmethod
+    def for_ragged(
+        cls,
+        query_lens: IntsLike,
+        seq_lens: IntsLike,
+        device: torch.device | str | None = None,
+        cross_attention: bool = False,
+    ) -> AttentionMetadata:
+        """Metadata of a step whose keys come with the call, not from a cache
+        (``forward_ragged``): sequence b has ``query_lens[b]`` query rows and ``seq_lens[b]`` key
+        rows, packed in sequence order. No page table (B, 0) and no slots (-1): a paged
+        ``forward`` refuses it. ``device`` defaults to the CPU.
+
+        >>> meta = AttentionMetadata.for_ragged(query_lens=[2, 3], seq_lens=[2, 5])
+        >>> meta.key_start_loc.tolist(), meta.query_start_loc.tolist()
+        ([0, 2, 7], [0, 2, 5])
+        """
+        q, s = _lengths(query_lens, seq_lens, cross_attention)
+        dev = torch.device("cpu") if device is None else check_device("device", device)
+        qsl, ksl = (torch.zeros(x.shape[0] + 1, dtype=torch.int32) for x in (q, s))
+        torch.cumsum(q, 0, out=qsl[1:])
+        torch.cumsum(s, 0, out=ksl[1:])
+        return cls(
+            query_start_loc=qsl.to(dev),
+            seq_lens=s.to(dev),
+            page_table=torch.zeros(s.shape[0], 0, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((int(qsl[-1]),), -1, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=s,
+            num_tokens=int(qsl[-1]),
+            max_query_len=int(q.max()) if q.numel() else 0,
+            max_seq_len=int(s.max()) if s.numel() else 0,
+            cross_attention=_flag("cross_attention", cross_attention),
+            key_start_loc=ksl.to(dev),
+        )
+
+    @classmethod
     def from_tensors(
         cls,
         *,
@@ -172,18 +209,21 @@ class AttentionMetadata:
         page_size: int | None = None,
         tree_mask: torch.Tensor | None = None,
         cross_attention: bool = False,
+        key_start_loc: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Adopt an engine's tensors as they are (no copy when dtypes already match).
 
         The host maxima default to the maxima of the host twins. ``page_size`` records what the
         page table and slots were built for (None: not recorded). Integer tensors only; host
-        values must fit int32; ``tree_mask`` a bool tensor, taken as it is. No device sync.
+        values must fit int32; ``tree_mask`` a bool tensor, taken as it is; ``key_start_loc``
+        (cu_seqlens_k of a ragged step) an integer tensor. No device sync.
         """
         for name, t in (
             ("query_start_loc", query_start_loc),
             ("seq_lens", seq_lens),
             ("page_table", page_table),
             ("slot_mapping", slot_mapping),
+            *((("key_start_loc", key_start_loc),) if key_start_loc is not None else ()),
         ):
             if not is_int_tensor(t):
                 found = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
@@ -221,11 +261,12 @@ class AttentionMetadata:
             page_size=page_size,
             tree_mask=None if tree_mask is None else _tree_mask(tree_mask),
             cross_attention=_flag("cross_attention", cross_attention),
+            key_start_loc=None if key_start_loc is None else key_start_loc.to(torch.int32),
         )
 
     def validate(
         self,
-        layout_or_cache: KVCacheLayout | KVCache,
+        layout_or_cache: KVCacheLayout | KVCache | None,
         *,
         reserved_page: int | None = 0,
         sliding_window: int | None = None,
@@ -234,6 +275,8 @@ class AttentionMetadata:
         """Check every invariant (may sync the device); raise ``InvalidMetadataError`` on the first.
 
         Given a ``KVCache`` it also checks every page index against the cache's page count.
+        None: a ragged step's metadata (``for_ragged``; it reads no cache), whose lengths, host
+        twins and ``key_start_loc`` are checked; metadata with a page table needs its layout.
         ``reserved_page`` (page 0, SGLang's padding page and vLLM's null block) may be read only
         by padding rows, which read and write nothing else; None skips that check. With the
         layer's ``sliding_window`` or ``attention_chunk_size``, pages wholly below every query's
@@ -326,6 +369,20 @@ def _flag(field: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InvalidMetadataError(field, "a bool", repr(value))
     return value
+
+
+def _lengths(
+    query_lens: IntsLike, seq_lens: IntsLike, cross: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host query and seq lengths as int32 CPU tensors, one of each per sequence, checked."""
+    q = _host_ints("query_lens", query_lens)
+    s = _host_ints("seq_lens", seq_lens)
+    if q.shape != s.shape:
+        raise InvalidMetadataError(
+            "query_lens", f"one length per sequence ({s.shape[0]} like seq_lens)", q.shape[0]
+        )
+    _check_lengths(q, s, cross)
+    return q, s
 
 
 def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor, cross: bool) -> None:

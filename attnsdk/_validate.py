@@ -113,16 +113,27 @@ def check_is_metadata(field: str, meta: object) -> None:
 
 def validate_metadata(
     meta: AttentionMetadata,
-    layout_or_cache: KVCacheLayout | KVCache | int,
+    layout_or_cache: KVCacheLayout | KVCache | int | None,
     reserved_page: int | None = 0,
     sliding_window: int | None = None,
     attention_chunk_size: int | None = None,
 ) -> None:
     """Every invariant of ``meta`` for a cache layout, a cache (page ids checked against its
-    size too) or a bare page size. May sync the device. ``sliding_window`` /
-    ``attention_chunk_size``: pages wholly below every query's window, or before the chunk of a
-    row's first query, are not read, so an engine may have freed them (vLLM puts its null block
-    there)."""
+    size too) or a bare page size; None: a ragged step (no page table). May sync the device.
+    ``sliding_window`` / ``attention_chunk_size``: pages wholly below every query's window, or
+    before the chunk of a row's first query, are not read, so an engine may have freed them
+    (vLLM puts its null block there)."""
+    if layout_or_cache is None:
+        check_metadata(meta)
+        if meta.page_table.dim() == 2 and meta.page_table.shape[1]:
+            raise InvalidMetadataError(
+                "layout_or_cache",
+                "the KVCacheLayout or KVCache of metadata with a page table (None: ragged "
+                "metadata, AttentionMetadata.for_ragged)",
+                None,
+            )
+        _check_host_twins(meta)
+        return
     if isinstance(layout_or_cache, KVCache):
         page_size, num_pages = layout_or_cache.layout.page_size, layout_or_cache.num_pages
         cache_device: torch.device | None = layout_or_cache.device
@@ -200,6 +211,11 @@ def _check_tensors(meta: AttentionMetadata) -> None:
         ("page_table", meta.page_table, torch.int32, (b, -1), None),
         ("slot_mapping", meta.slot_mapping, torch.int64, (-1,), None),
         ("query_start_loc_cpu", meta.query_start_loc_cpu, torch.int32, (b + 1,), _CPU),
+        *(
+            (("key_start_loc", meta.key_start_loc, torch.int32, (b + 1,), None),)
+            if meta.key_start_loc is not None
+            else ()
+        ),
     )
     device = meta.seq_lens.device if isinstance(meta.seq_lens, torch.Tensor) else _CPU
     for name, t, dtype, shape, where in specs:
@@ -315,6 +331,14 @@ def _check_host_twins(meta: AttentionMetadata) -> None:
             raise InvalidMetadataError(
                 f"{name}_cpu[{i}]", f"{int(dev[i])} (its device twin)", int(host[i])
             )
+    if meta.key_start_loc is not None:
+        starts = torch.nn.functional.pad(torch.cumsum(meta.seq_lens_cpu, 0), (1, 0))
+        _first_bad(
+            "key_start_loc",
+            meta.key_start_loc.to(_CPU) != starts,
+            "the prefix sum of seq_lens",
+            meta.key_start_loc.to(_CPU),
+        )
 
 
 def _first_bad(

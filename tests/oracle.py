@@ -195,6 +195,28 @@ def attention(
     return out, lse
 
 
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    sem: Semantics,
+    *,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` over K/V given densely (``forward_ragged``): sequence b's ``seq_lens[b]``
+    keys are the next rows of k / v (Tk, Hkv, D | Dv), key i at position i. Each key row is
+    made a page of one token, so the rules are ``attention``'s own."""
+    starts = [sum(seq_lens[:b]) for b in range(len(seq_lens))]
+    width = max(seq_lens, default=0)
+    table = torch.tensor(
+        [[s + min(i, max(n - 1, 0)) for i in range(width)] for s, n in zip(starts, seq_lens)],
+        dtype=torch.long,
+    ).reshape(len(seq_lens), width)
+    return attention(q, k[:, None], v[:, None], query_lens, seq_lens, table, sem, sinks=sinks)
+
+
 @dataclass(frozen=True, slots=True)
 class Expected:
     """What the oracle says a step produces."""

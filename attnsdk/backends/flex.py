@@ -169,7 +169,7 @@ class FlexBackend(DeviceStoreBackend):
         min_page_size=16,
         page_size_multiple=16,
         orders=frozenset({KVOrder.NHD}),
-        features=frozenset(Feature) - {Feature.FP8_KV},
+        features=frozenset(Feature) - {Feature.FP8_KV, Feature.RAGGED},
         graph_support=GraphSupport.UNIFORM_BATCH,
     )
     Options = FlexOptions

@@ -97,6 +97,38 @@ class ReferenceBackend(BackendBase):
                 self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1], rows_lse, tree)
         return out
 
+    def attend_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        key_start_loc: torch.Tensor,
+        *,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> torch.Tensor:
+        meta = plan.metadata
+        qsl = meta.query_start_loc_cpu.tolist()
+        starts = key_start_loc.tolist()  # the oracle may sync
+        for b, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
+            q0, q1 = qsl[b], qsl[b + 1]
+            if q1 == q0:
+                continue
+            rows_lse = None if lse is None else lse[q0:q1]
+            if seq_len == 0:  # queries without keys (an empty prefix chunk): zeros
+                out[q0:q1] = 0
+                if rows_lse is not None:
+                    rows_lse[:] = float("-inf") if sinks is None else sinks.float()
+                continue
+            k0 = starts[b]
+            kb = k[k0 : k0 + seq_len].transpose(0, 1).float()
+            vb = v[k0 : k0 + seq_len].transpose(0, 1).float()
+            self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1], rows_lse, None)
+        return out
+
     def _attend(
         self,
         q: torch.Tensor,

@@ -333,7 +333,10 @@ class RoutedBackend:
         self._lse_served = set()
         # Graphs run on the decode route: its capabilities (graph support too) are ours, but
         # lse=, tree masks and cross-attention are served only where every route serves them.
+        # Ragged calls are not routed (they read no cache, so any backend of the caller's
+        # serves them: create_backend("fa3").forward_ragged).
         caps = self._backends["decode"].capabilities
+        caps = dataclasses.replace(caps, features=caps.features - {Feature.RAGGED})
         for feature in (Feature.LSE, Feature.TREE_MASK, Feature.CROSS_ATTENTION):
             if any(feature not in b.capabilities.features for b in self._backends.values()):
                 caps = dataclasses.replace(caps, features=caps.features - {feature})

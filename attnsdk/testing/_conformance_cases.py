@@ -4,6 +4,8 @@ compare a backend's cache with the reference's (a private module; the suite re-e
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,7 @@ import torch
 from attnsdk._base import BackendBase
 from attnsdk._kv import KVCache, KVCacheLayout
 from attnsdk._layer import LayerSpec
+from attnsdk._metadata import AttentionMetadata
 from attnsdk.testing._spec import BatchSpec
 
 if TYPE_CHECKING:
@@ -20,7 +23,6 @@ if TYPE_CHECKING:
 
     from attnsdk._backend import Backend
     from attnsdk._config import AttentionConfig
-    from attnsdk._metadata import AttentionMetadata
     from attnsdk.testing._batch import PageOrder
 
 _E4M3 = torch.float8_e4m3fn
@@ -118,6 +120,65 @@ _MLA_FEATURES = ("mla", "mla-small", "mla-fp8")
 _MLA_PRESETS = ("decode", "prefill", "chunked_prefill", "mixed", "verify", "empty_rows")
 """MLA serves every batch kind the absorbed way (SGLang and vLLM send decodes, verifies and
 short extends down it; prefills too when they choose so)."""
+
+
+_RAGGED_FEATURES = (
+    "mha", "gqa", "mqa", "window", "softcap", "sinks", "v-head-dim", "everything", "chunked",
+    "noncausal-window",
+)  # fmt: skip
+_RAGGED_PREFIX_FEATURES = ("noncausal", "noncausal-sinks-softcap")
+"""Layers of ragged steps: every layer rule over new tokens and over longer keys; prefix
+chunks (every query sees every key) on the non-causal layers cross-attention takes."""
+RAGGED_KINDS = ("prefill", "extend", "prefix")
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedStep:
+    """One random ``forward_ragged`` call: its metadata and inputs."""
+
+    metadata: AttentionMetadata
+    q: torch.Tensor
+    k: torch.Tensor
+    """(sum(seq_lens) + 3, Hkv, D): three rows past the last sequence's, which no key is."""
+    v: torch.Tensor
+    sinks: torch.Tensor | None
+
+
+def ragged_step(
+    layer: LayerSpec,
+    kind: str,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> RaggedStep:
+    """A random ragged step of ``kind``: "prefill" (keys are the new tokens), "extend" (keys
+    reach further back) or "prefix" (a cross-attention chunk: any number of keys, some none).
+    Odd seeds drop ``key_start_loc``, which backends then derive. Sinks move rows well past
+    the tolerance, as in ``BackendConformance._batch``."""
+    rng = random.Random(f"ragged-{kind}-{seed}")
+    b = rng.randint(1, 6)
+    q = [rng.choice([0, 1, rng.randint(2, 40)]) for _ in range(b)]
+    if kind == "prefill":
+        s = list(q)
+    elif kind == "extend":
+        s = [n + rng.randint(0, 50) for n in q]
+    else:
+        s = [rng.choice([0, rng.randint(1, 60)]) for _ in range(b)]
+    meta = AttentionMetadata.for_ragged(q, s, device=device, cross_attention=kind == "prefix")
+    if seed % 2:
+        meta = dataclasses.replace(meta, key_start_loc=None)
+    gen = torch.Generator().manual_seed(seed)
+    keys = sum(s) + 3
+    q_, k, v = (
+        torch.randn(n, h, d, generator=gen).to(device=device, dtype=dtype)
+        for n, h, d in (
+            (meta.num_tokens, layer.num_heads, layer.head_dim),
+            (keys, layer.num_kv_heads, layer.head_dim),
+            (keys, layer.num_kv_heads, layer.v_dim),
+        )
+    )
+    sinks = 1.0 + 2.0 * torch.randn(layer.num_heads, generator=gen)
+    return RaggedStep(meta, q_, k, v, sinks.to(device) if layer.has_sinks else None)
 
 
 def _mixed(seed: int) -> BatchSpec:

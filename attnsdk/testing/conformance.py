@@ -46,7 +46,12 @@ import pytest
 import torch
 
 from attnsdk._base import BackendBase, lse_reasons_of
-from attnsdk._capabilities import GraphSupport, Reason, step_capability_reasons
+from attnsdk._capabilities import (
+    GraphSupport,
+    Reason,
+    lse_capability_reasons,
+    step_capability_reasons,
+)
 from attnsdk._create import create_backend, explain
 from attnsdk._errors import InvalidMetadataError, UnsupportedConfigError
 from attnsdk._kv import COMPUTE_DTYPES, KVCacheLayout
@@ -66,6 +71,8 @@ from attnsdk.testing._conformance_cases import (
     _MLA_PRESETS,
     _ORDERS,
     _PAGE_ORDERS,
+    _RAGGED_FEATURES,
+    _RAGGED_PREFIX_FEATURES,
     _SPLIT_FEATURES,
     _TREE_FEATURES,
     _TREE_PRESETS,
@@ -85,6 +92,7 @@ from attnsdk.testing._conformance_cases import (
     _name,
     _packed,
     _rows,
+    ragged_step,
 )
 from attnsdk.testing._spec import BatchSpec
 from attnsdk.testing._tolerance import assert_close_to_reference, tolerance
@@ -413,6 +421,53 @@ class BackendConformance:
             self._require(subject, batch)
             out = self._compare(subject, oracle, batch)
             self._check_lse_of(subject, oracle, batch, out)
+
+    # -- ragged ------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        ("feature", "kind"),
+        [(f, k) for f in _RAGGED_FEATURES for k in ("prefill", "extend")]
+        + [(f, "prefix") for f in _RAGGED_PREFIX_FEATURES],
+        ids=[f"{f}-{k}" for f in _RAGGED_FEATURES for k in ("prefill", "extend")]
+        + [f"{f}-prefix" for f in _RAGGED_PREFIX_FEATURES],
+    )
+    def test_ragged(self, subject: Backend, oracle: Backend, feature: str, kind: str) -> None:
+        """``forward_ragged`` (K/V in the call, no cache: MLA's expanded prefill and its prefix
+        chunks): output and log-sum-exp match the reference; asking for the lse leaves the
+        output bit for bit. A backend that does not serve it must raise
+        ``UnsupportedConfigError``; the case is then skipped with its reasons."""
+        layer, dtype = LayerSpec(**FEATURES[feature].layer), self._dtype(subject)
+        dev = torch.device(self.device)
+        ask = getattr(subject, "ragged_reasons", None)
+        if ask is None:
+            pytest.skip(f"{type(subject).__name__} has no forward_ragged (it is no BackendBase)")
+        reasons = list(ask(layer, dev))
+        if reasons:
+            step = ragged_step(layer, kind, 0, dtype, dev)
+            with pytest.raises(UnsupportedConfigError):  # refused before the plan is read
+                subject.forward_ragged(  # type: ignore[attr-defined]
+                    step.q, step.k, step.v, oracle.plan(step.metadata), layer, sinks=step.sinks
+                )
+            pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+        with_lse = not lse_capability_reasons(subject.capabilities)
+        atol, rtol = tolerance(dtype)
+        for seed in range(self.seeds):
+            step = ragged_step(layer, kind, seed, dtype, dev)
+            args = (step.q, step.k, step.v)
+            plan, ref_plan = subject.plan(step.metadata), oracle.plan(step.metadata)
+            out = subject.forward_ragged(*args, plan, layer, sinks=step.sinks)  # type: ignore[attr-defined]
+            lse = torch.full((step.metadata.num_tokens, layer.num_heads), float("nan"), device=dev)
+            ref_lse = torch.empty_like(lse)
+            ref = oracle.forward_ragged(*args, ref_plan, layer, sinks=step.sinks, lse=ref_lse)  # type: ignore[attr-defined]
+            assert_close_to_reference(out, ref, atol=atol, rtol=rtol)
+            if with_lse:
+                again = subject.forward_ragged(*args, plan, layer, sinks=step.sinks, lse=lse)  # type: ignore[attr-defined]
+                assert torch.equal(again, out), "asking for lse= changed the output"
+                empty = torch.isneginf(ref_lse)
+                assert torch.equal(torch.isneginf(lse), empty), "-inf where the oracle's is"
+                assert_close_to_reference(
+                    lse[~empty], ref_lse[~empty], atol=_LSE_TOLERANCE[0], rtol=_LSE_TOLERANCE[1]
+                )
 
     # -- the log-sum-exp ----------------------------------------------------------------------
 
