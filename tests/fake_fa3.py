@@ -43,17 +43,32 @@ class FakeKernel:
     scheduler = None
     returns_lse = True
     takes_qv = True
+    takes_ragged = True
 
     def __init__(self) -> None:
         self.batch_sizes: list[int] = []
+        self.v_dims: list[int] = []
 
     def __call__(self, q, k_cache, v_cache, out, **kw: Any) -> None:  # type: ignore[no-untyped-def]
-        qsl, lens = kw["cu_seqlens_q"].tolist(), kw["cache_seqlens"].tolist()
-        table = kw["page_table"]
+        if kw.get("cu_seqlens_k") is not None:  # dense varlen K/V (flash_attn_varlen_func)
+            assert kw["page_table"] is None
+            assert kw["cache_seqlens"] is None
+            ksl = kw["cu_seqlens_k"]
+            assert ksl.dtype == torch.int32
+            lens = (ksl[1:] - ksl[:-1]).tolist()
+            assert max(lens, default=0) <= kw["max_seqlen_k"]
+            # Each sequence's keys as one page of the longest length: the paged math below.
+            width = max(max(lens, default=0), 1)
+            k_cache, v_cache = (_as_pages(x, ksl, lens, width) for x in (k_cache, v_cache))
+            table = torch.arange(len(lens), dtype=torch.int32)[:, None]
+        else:
+            lens, table = kw["cache_seqlens"].tolist(), kw["page_table"]
+            assert kw["cache_seqlens"].dtype == torch.int32
+        qsl = kw["cu_seqlens_q"].tolist()
         assert table.dtype == torch.int32
         assert table.stride(-1) == 1
-        assert kw["cache_seqlens"].dtype == torch.int32
         self.batch_sizes.append(len(lens))
+        self.v_dims.append(v_cache.shape[-1])
         p, hq, hkv = k_cache.shape[1], q.shape[1], k_cache.shape[2]
         wl, wr = kw["window"]
         for b, length in enumerate(lens):
@@ -93,6 +108,14 @@ class FakeKernel:
             out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).to(out.dtype)
             if kw.get("lse") is not None:  # (T, Hq), natural log, the sink column included
                 kw["lse"][q0:q1] = torch.logsumexp(s, -1).t()
+
+
+def _as_pages(x: torch.Tensor, starts: torch.Tensor, lens: list[int], width: int) -> torch.Tensor:
+    """Dense varlen rows (Tk, H, D) as (B, width, H, D) pages, sequence b's in page b."""
+    pages = x.new_zeros(len(lens), width, *x.shape[1:])
+    for b, n in enumerate(lens):
+        pages[b, :n] = x[int(starts[b]) : int(starts[b]) + n]
+    return pages
 
 
 class CPUFA3(FA3Backend):

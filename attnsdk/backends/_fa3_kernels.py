@@ -96,6 +96,12 @@ class KernelCall:
         return self.direct or "qv" in self.wrapper_kwargs
 
     @property
+    def takes_ragged(self) -> bool:
+        """Whether a call can attend over dense varlen K/V (``cu_seqlens_k``, no page table):
+        the registered op takes both forms; the wrappers' paged entry point does not."""
+        return self.direct
+
+    @property
     def returns_lse(self) -> bool:
         """Whether a call can hand back FA3's ``softmax_lse`` (the op always computes it)."""
         return self.direct or "return_softmax_lse" in self.wrapper_kwargs
@@ -108,8 +114,8 @@ class KernelCall:
         out: torch.Tensor,
         *,
         cu_seqlens_q: torch.Tensor,
-        cache_seqlens: torch.Tensor,
-        page_table: torch.Tensor,
+        cache_seqlens: torch.Tensor | None,
+        page_table: torch.Tensor | None,
         max_seqlen_q: int,
         softmax_scale: float,
         causal: bool,
@@ -124,20 +130,30 @@ class KernelCall:
         sinks: torch.Tensor | None,
         lse: torch.Tensor | None,
         qv: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_k: int | None = None,
     ) -> None:
         """Attention into ``out`` and, when given, the log-sum-exp into ``lse`` (T, Hq).
         ``qv`` (T, Hq, Dv): MLA's second query part, multiplied with ``v_cache`` (the latent)
-        and added to q·k (FA3's hdim 64 x 512 kernels)."""
+        and added to q·k (FA3's hdim 64 x 512 kernels). ``cu_seqlens_k`` (B + 1,) with
+        ``max_seqlen_k``, and no ``page_table`` / ``cache_seqlens``: k_cache / v_cache are
+        dense (Tk, Hkv, D | Dv) rows, sequence b's at ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
+        (``flash_attn_varlen_func``; ``takes_ragged`` only)."""
         if self.direct:
             _, softmax_lse, *_ = self.fwd(
-                q, k_cache, v_cache, None, None, qv, out, cu_seqlens_q, None, None, None,
-                cache_seqlens, max_seqlen_q, None, page_table, None, None, None, None, None,
+                q, k_cache, v_cache, None, None, qv, out, cu_seqlens_q, cu_seqlens_k, None, None,
+                cache_seqlens, max_seqlen_q, max_seqlen_k, page_table, None, None, None, None, None,
                 q_descale, k_descale, v_descale, softmax_scale, causal, window[0], window[1],
                 0, softcap, True, scheduler_metadata, num_splits, pack_gqa, 0, sinks,
             )  # fmt: skip
             if lse is not None:
                 _copy_lse(lse, softmax_lse)
             return
+        if cu_seqlens_k is not None:
+            raise UnsupportedConfigError(
+                f"{self.provider}'s flash_attn_with_kvcache cannot attend over dense K/V:",
+                [Reason(ReasonKind.CONFIGURATION, "ragged", "needs flash_attn_interface's op")],
+            )
         kwargs: dict[str, Any] = {
             "cache_seqlens": cache_seqlens,
             "page_table": page_table,

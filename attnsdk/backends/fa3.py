@@ -37,6 +37,7 @@ of slots over the cache viewed with pages of one token, merged by ``attnsdk.merg
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -57,6 +58,7 @@ from attnsdk._chunked import check_capture, chunk_reasons, prepared_chunks, virt
 from attnsdk._errors import UnsupportedConfigError
 from attnsdk._kv import KVOrder
 from attnsdk._merge import merge_states
+from attnsdk._ragged import clear_keyless_rows
 from attnsdk._tree import TreePasses, token_pool, tree_passes
 from attnsdk.backends._fa3_kernels import (
     INSTALL_COMMAND,
@@ -206,6 +208,31 @@ class FA3Backend(DeviceStoreBackend):
             )
         return reasons
 
+    def ragged_reasons(self, layer: LayerSpec, device: torch.device | str | None) -> list[Reason]:
+        """``BackendBase``'s, this build's head dims, and a provider without FA3's registered op
+        (the wrappers' paged entry point takes no dense varlen K/V)."""
+        reasons = super().ragged_reasons(layer, device)
+        served = _ragged_layer(layer, build_flags())
+        reasons += self.environment_reasons(device) + _fa3_reasons(served, None, build_flags())
+        if layer.attention_chunk_size is not None:
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "attention_chunk_size",
+                    "is served in paged steps only (a virtual batch over the page table)",
+                )
+            )
+        if not self._kernel.takes_ragged:
+            reasons.append(
+                Reason(
+                    _CFG,
+                    "ragged",
+                    f"needs the registered op flash_attn_3::fwd, which {self._kernel.provider} "
+                    f"does not expose: use flash_attn_interface ({INSTALL_COMMAND})",
+                )
+            )
+        return sorted(set(reasons))
+
     @classmethod
     def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
         """Is a kernel library installed, is there a CUDA device, is it sm 9.x? Imports nothing."""
@@ -330,6 +357,66 @@ class FA3Backend(DeviceStoreBackend):
             self._launch(q, cache.k_nhd, cache.v_nhd, out, meta, layer, st, st.causal,
                          sinks, scales, lse, scheduler)  # fmt: skip
         return out if dest is out else dest.copy_(out)
+
+    def attend_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        key_start_loc: torch.Tensor,
+        *,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One varlen launch over dense K/V (``flash_attn_varlen_func``'s form of the op).
+        V narrower than K on a build without that pair's kernels is zero-padded to K's width
+        (``_ragged_layer``) and the output sliced back. Query rows of a sequence without keys
+        (an empty prefix chunk) are set here: FA3's values there are not specified."""
+        meta = plan.metadata
+        pad = _ragged_layer(layer, build_flags()).v_dim - layer.v_dim
+        dest = out
+        if out.stride(-1) != 1 or pad:
+            out = torch.empty(
+                q.shape[0], layer.num_heads, layer.v_dim + pad, dtype=q.dtype, device=q.device
+            )
+        if meta.num_seqs == 0 or q.shape[0] == 0:
+            return dest
+        if pad:  # cat with fresh zeros: ~1.6x faster than F.pad on the H200
+            v = torch.cat((v, v.new_zeros(*v.shape[:-1], pad)), dim=-1)
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        wl = layer.window_left
+        self._kernel(
+            q,
+            k,
+            v,
+            out,
+            cu_seqlens_q=meta.query_start_loc,
+            cache_seqlens=None,
+            page_table=None,
+            max_seqlen_q=meta.max_query_len,
+            softmax_scale=layer.softmax_scale,
+            causal=layer.causal,
+            window=(wl, 0 if layer.causal else wl) if wl >= 0 else (-1, -1),
+            softcap=float(layer.softcap or 0.0),
+            q_descale=None,
+            k_descale=None,
+            v_descale=None,
+            scheduler_metadata=None,
+            # One split unless pinned, as flash_attn_varlen_func: FA3's heuristic (0) cost
+            # 6-23 % on prefills measured on the H200 (docs/benchmarks.md, "Ragged").
+            num_splits=self.options.num_splits or 1,
+            pack_gqa=self.options.pack_gqa,
+            sinks=None if sinks is None else sinks.to(torch.bfloat16),
+            lse=lse,
+            cu_seqlens_k=key_start_loc,
+            max_seqlen_k=meta.max_seq_len,
+        )
+        if meta.cross_attention:
+            clear_keyless_rows(meta, sinks, out, lse)
+        return out if dest is out else dest.copy_(out[..., : layer.v_dim])
 
     def _attend_tree(
         self,
@@ -466,6 +553,17 @@ class FA3Backend(DeviceStoreBackend):
         if cacheable:
             plan.scheduler[st.key] = sched
         return sched
+
+
+def _ragged_layer(layer: LayerSpec, flags: dict[str, bool]) -> LayerSpec:
+    """The layer FA3 runs for a ragged call: ``layer``, or, when this build lacks the kernels
+    for its narrower V (DeepSeek's 192 / 128 needs HDIMDIFF192), the same layer with V padded
+    to ``head_dim``. Zero columns of V add zero columns to the output and change nothing else,
+    so the kernel for equal dims serves it exactly (vLLM pads the same way)."""
+    if layer.v_dim >= layer.head_dim:
+        return layer
+    missing = any(r.field == "v_head_dim" for r in _fa3_reasons(layer, None, flags))
+    return dataclasses.replace(layer, v_head_dim=layer.head_dim) if missing else layer
 
 
 def _token_pools(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

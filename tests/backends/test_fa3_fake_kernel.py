@@ -138,3 +138,36 @@ def test_decode_graphs_serve_chunked_layers(kernel: FakeKernel) -> None:
         assert_close_to_reference(out[:b], want)
     with pytest.raises(A.UnsupportedConfigError, match="attention_chunk_size"):
         backend.plan_for_capture(state, 2, 6)
+
+
+# -- ragged (forward_ragged) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["prefill", "extend", "prefix"])
+def test_ragged_pads_v_on_a_build_without_the_192_128_kernels(
+    kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """DeepSeek's expanded prefill (192 / 128) on an FA3 build with HDIMDIFF192 off (ours on
+    the H200): V goes to the hdim-192 kernel zero-padded, and the output is the reference's."""
+    from attnsdk.testing._conformance_cases import ragged_step
+
+    monkeypatch.setattr(fa3, "build_flags", lambda: {"FLASH_ATTENTION_DISABLE_HDIMDIFF192": True})
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=4, head_dim=192, v_head_dim=128)
+    layer = dataclasses.replace(layer, causal=kind != "prefix")
+    backend = CPUFA3()
+    assert backend.ragged_reasons(layer, "cpu") == []
+    layout = A.KVCacheLayout(4, 192, 16, v_head_dim=128, dtype=torch.bfloat16)
+    assert [r.field for r in backend.unsupported_reasons(layer, layout)] == ["v_head_dim"]
+    for seed in range(4):
+        step = ragged_step(layer, kind, seed, torch.bfloat16)
+        lse, ref_lse = (torch.empty(step.metadata.num_tokens, 4) for _ in range(2))
+        args = (step.q, step.k, step.v)
+        out = backend.forward_ragged(*args, backend.plan(step.metadata), layer, lse=lse)
+        ref = reference.forward_ragged(*args, reference.plan(step.metadata), layer, lse=ref_lse)
+        assert out.shape == ref.shape == (step.metadata.num_tokens, 4, 128)
+        assert_close_to_reference(out, ref)
+        seen_rows = ~torch.isneginf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), ~seen_rows)
+        assert_close_to_reference(lse[seen_rows], ref_lse[seen_rows], atol=5e-3, rtol=1e-3)
+    assert kernel.v_dims, "the kernel never ran"
+    assert set(kernel.v_dims) == {192}, "V reached the kernel unpadded"
