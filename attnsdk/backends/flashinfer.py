@@ -66,6 +66,7 @@ from attnsdk._device import compute_capability
 from attnsdk._errors import BackendUnavailableError, InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphBuffers
 from attnsdk._kv import KVOrder
+from attnsdk._ragged import clear_keyless_rows
 from attnsdk.backends._flashinfer_csr import PagedCSR, build_csr, gather_indices
 from attnsdk.backends._gpu import DeviceStoreBackend, mla_kernel_reasons, module_present
 
@@ -147,6 +148,21 @@ class _Variant:
         return self.kv_dtype in _FP8
 
 
+@dataclass(frozen=True, slots=True)
+class _Ragged:
+    """What a ragged wrapper (``BatchPrefillWithRaggedKVCacheWrapper``) is planned for."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_dim: int
+    scale: float
+    causal: bool
+    window_left: int
+    softcap: float
+    dtype: torch.dtype
+
+
 # -- plans and graph state ----------------------------------------------------------------------
 
 
@@ -171,6 +187,8 @@ class FlashInferPlan(Plan):
     csr: dict[tuple[bool, int, int | None], _StepCSR] = field(default_factory=dict)
     """(per_token, page_size, chunk size) -> the step's CSR on the device."""
     wrappers: dict[_Variant, tuple[Any, Kind]] = field(default_factory=dict)
+    ragged: dict[_Ragged, Any] = field(default_factory=dict)
+    """Each ragged variant planned in this step (``forward_ragged``) -> its planned wrapper."""
     virtual: dict[tuple[int, int], AttentionMetadata] = field(default_factory=dict)
     """(chunk size, page size) -> the step's virtual batch for chunked variants."""
 
@@ -258,6 +276,7 @@ class FlashInferBackend(DeviceStoreBackend):
         self._fi: Any = importlib.import_module("flashinfer")
         self._workspaces: dict[torch.device, torch.Tensor] = {}
         self._wrappers: dict[tuple[Kind, _Variant], Any] = {}
+        self._ragged_wrappers: dict[_Ragged, Any] = {}
         self._owner: dict[int, FlashInferPlan] = {}
         self._planned_copy: dict[int, torch.cuda.Event] = {}
         self.plan_calls = 0
@@ -386,6 +405,29 @@ class FlashInferBackend(DeviceStoreBackend):
             order=layout.kv_order.value,
             mla=layout.mla,
         )
+
+    def ragged_reasons(self, layer: LayerSpec, device: torch.device | str | None) -> list[Reason]:
+        """``BackendBase``'s and what FlashInfer's ragged prefill cannot express: head dims
+        outside its kernels (q / k also 192: DeepSeek's expanded prefill), sinks (its sink
+        wrappers are paged) and chunked layers (a virtual batch needs a page table)."""
+        reasons = super().ragged_reasons(layer, device) + self.environment_reasons(device)
+        for name, d, dims in (
+            ("head_dim", layer.head_dim, _HEAD_DIMS | {192}),
+            ("v_head_dim", layer.v_dim, _HEAD_DIMS),
+        ):
+            if d not in dims:
+                reasons.append(
+                    Reason(_CFG, name, f"must be one of {sorted(dims)} in a ragged step, found {d}")
+                )
+        if not layer.causal and layer.sliding_window is not None:
+            reasons.append(Reason(_CFG, "sliding_window", "must be None when causal=False"))
+        for name, asked in (
+            ("has_sinks", layer.has_sinks),
+            ("attention_chunk_size", layer.attention_chunk_size is not None),
+        ):
+            if asked:
+                reasons.append(Reason(_CFG, name, "is served in paged steps only"))
+        return sorted(set(reasons))
 
     def warmup(self, device: torch.device | str | None = None, num_pages: int = 8) -> None:
         """``BackendBase.warmup`` (a prefill and a mixed step) plus one decode-only step per
@@ -766,6 +808,76 @@ class FlashInferBackend(DeviceStoreBackend):
         if o is not dest:
             dest.copy_(o)
         return out
+
+    def attend_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        key_start_loc: torch.Tensor,
+        *,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``BatchPrefillWithRaggedKVCacheWrapper``, planned once per step and ragged variant
+        from the host twins (its indptrs: no sync; ``key_start_loc`` is not read)."""
+        if not isinstance(plan, FlashInferPlan):
+            raise InvalidInputError(
+                "plan", "a FlashInferPlan from this backend's plan()", type(plan).__name__
+            )
+        meta = plan.metadata
+        rows = meta.num_tokens
+        if meta.num_seqs == 0 or rows == 0:
+            return out
+        variant = _Ragged(
+            layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim,
+            layer.softmax_scale, layer.causal, layer.window_left, float(layer.softcap or 0.0),
+            q.dtype,
+        )  # fmt: skip
+        wrapper = plan.ragged.get(variant)
+        if wrapper is None:
+            wrapper = plan.ragged[variant] = self._plan_ragged(meta, variant)
+        q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q[:rows], k, v))
+        dest = out[:rows]
+        o = dest if dest.is_contiguous() else torch.empty_like(dest)
+        lse_rows = None if lse is None else lse[:rows]
+        with_lse = {} if lse_rows is None else {"lse": lse_rows, "return_lse": True}
+        wrapper.run(q, k, v, out=o, **with_lse)
+        if lse_rows is not None:
+            lse_rows.mul_(_LN2)
+        if meta.cross_attention:
+            clear_keyless_rows(meta, sinks, o, lse_rows)
+        if o is not dest:
+            dest.copy_(o)
+        return out
+
+    def _plan_ragged(self, meta: AttentionMetadata, v: _Ragged) -> Any:
+        """A ragged wrapper planned for ``meta``: one per variant per backend, re-planned per
+        step (one FlashInfer plan(), host indptrs)."""
+        wrapper = self._ragged_wrappers.get(v)
+        if wrapper is None:
+            wrapper = self._ragged_wrappers[v] = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
+                self._workspace(meta.device), "NHD", backend="fa2"
+            )
+        kv_indptr = torch.zeros(meta.num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(meta.seq_lens_cpu, 0, out=kv_indptr[1:])
+        self._wait_for_previous_plan(wrapper, meta.device)
+        wrapper.plan(
+            meta.query_start_loc_cpu, kv_indptr, v.num_heads, v.num_kv_heads, v.head_dim,
+            head_dim_vo=v.v_dim, causal=v.causal, window_left=v.window_left,
+            logits_soft_cap=v.softcap or None, sm_scale=v.scale, q_data_type=v.dtype,
+            kv_data_type=v.dtype, o_data_type=v.dtype, non_blocking=True,
+        )  # fmt: skip
+        if meta.device.type == "cuda":
+            done = self._planned_copy.get(id(wrapper))
+            if done is None:
+                done = self._planned_copy[id(wrapper)] = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(meta.device))
+        self.plan_calls += 1
+        return wrapper
 
     def _attend_mla(
         self,

@@ -431,6 +431,60 @@ class _FakeMLA:
         return out, lse
 
 
+class _FakeRagged:
+    """``BatchPrefillWithRaggedKVCacheWrapper`` as FlashInfer 0.7.4 documents it: host indptrs
+    for q rows and K/V rows, bottom-right causal, a left window, softcap, base-2 lse. Rows of a
+    sequence without keys get NaN and lse 0 (unspecified there), so the backend must set them."""
+
+    def __init__(self, ws: torch.Tensor, kv_layout: str = "NHD", **kw: Any) -> None:
+        assert ws.dtype == torch.uint8
+        assert kv_layout == "NHD"
+        assert kw.pop("backend") in ("fa2", "auto")
+
+    def plan(self, qo, kv_indptr, hq, hkv, d, **kw: Any) -> None:  # type: ignore[no-untyped-def]
+        for t in (qo, kv_indptr):  # the host twins
+            assert t.device.type == "cpu"
+            assert t.dtype == torch.int32
+        self.qo, self.kv, self.heads, self.d, self.kw = qo, kv_indptr, (hq, hkv), d, kw
+        _Calls.plans.append((type(self).__name__, id(self)))
+
+    def run(self, q, k, v, *, out, lse=None, return_lse=False):  # type: ignore[no-untyped-def]
+        hq, hkv = self.heads
+        assert q.shape[1:] == (hq, self.d)
+        assert k.shape[1:] == (hkv, self.d)
+        assert v.shape[-1] == self.kw["head_dim_vo"]
+        assert out.is_contiguous()
+        assert q.dtype == k.dtype == v.dtype == self.kw["q_data_type"]
+        qo, kv = self.qo.tolist(), self.kv.tolist()
+        wl, cap = self.kw["window_left"], self.kw["logits_soft_cap"] or 0.0
+        for b in range(len(qo) - 1):
+            rows, n = q[qo[b] : qo[b + 1]].float(), kv[b + 1] - kv[b]
+            if not rows.shape[0]:
+                continue
+            if n == 0:
+                out[qo[b] : qo[b + 1]] = float("nan")
+                if return_lse:
+                    lse[qo[b] : qo[b + 1]] = 0.0
+                continue
+            keys = k[kv[b] : kv[b + 1]].float().repeat_interleave(hq // hkv, 1)
+            vals = v[kv[b] : kv[b + 1]].float().repeat_interleave(hq // hkv, 1)
+            s = torch.einsum("qhd,khd->hqk", rows, keys) * self.kw["sm_scale"]
+            if cap:
+                s = cap * torch.tanh(s / cap)
+            pos = n - rows.shape[0] + torch.arange(rows.shape[0])[:, None]
+            j = torch.arange(n)[None, :]
+            keep = torch.ones(rows.shape[0], n, dtype=torch.bool)
+            if self.kw["causal"]:
+                keep &= j <= pos
+            if wl >= 0:
+                keep &= j >= pos - wl
+            s = s.masked_fill(~keep, float("-inf"))
+            out[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vals)
+            if return_lse:
+                lse[qo[b] : qo[b + 1]] = torch.logsumexp(s, -1).t() / math.log(2.0)
+        return (out, lse) if return_lse else out
+
+
 def fake_flashinfer() -> types.ModuleType:
     mod = types.ModuleType("flashinfer")
     mod.BatchMLAPagedAttentionWrapper = _FakeMLA  # type: ignore[attr-defined]
@@ -441,6 +495,7 @@ def fake_flashinfer() -> types.ModuleType:
     mod.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode  # type: ignore[attr-defined]
     mod.BatchAttentionWithAttentionSinkWrapper = _FakePrefillSink  # type: ignore[attr-defined]
     mod.BatchDecodeWithAttentionSinkWrapper = _FakeDecodeSink  # type: ignore[attr-defined]
+    mod.BatchPrefillWithRaggedKVCacheWrapper = _FakeRagged  # type: ignore[attr-defined]
     return mod
 
 
@@ -751,3 +806,21 @@ def test_variants_of_another_page_size_are_not_planned(fake: CPUFlashInfer) -> N
     before = fake.plan_calls
     fake.plan(batch.metadata)
     assert fake.plan_calls - before == 1
+
+
+def test_ragged_steps_plan_once_per_variant_and_nothing_paged(fake: CPUFlashInfer) -> None:
+    """``forward_ragged``: one ragged plan() per step and variant, however many layers run,
+    none before the first call, and no paged wrapper for a ragged step."""
+    from attnsdk.testing._conformance_cases import ragged_step
+
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=4, head_dim=192, v_head_dim=128)
+    step = ragged_step(layer, "extend", 0, torch.bfloat16)
+    plan = fake.plan(step.metadata)
+    assert _Calls.plans == []
+    outs = [fake.forward_ragged(step.q, step.k, step.v, plan, layer) for _ in range(3)]
+    assert [name for name, _ in _Calls.plans] == ["_FakeRagged"]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    other = dataclasses.replace(layer, causal=False)
+    fake.forward_ragged(step.q, step.k, step.v, plan, other)
+    fake.forward_ragged(step.q, step.k, step.v, fake.plan(step.metadata), layer)
+    assert len(_Calls.plans) == 3  # a new variant, then a new step
