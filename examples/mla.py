@@ -1,9 +1,13 @@
-"""DeepSeek-style multi-head latent attention (MLA) through attnsdk, absorbed form.
+"""DeepSeek-style multi-head latent attention (MLA) through attnsdk: expanded prefill, absorbed
+decode.
 
-One latent per token (kv_lora_rank 512 + rope 64) is cached; each query head is absorbed into
-latent space (q_nope @ W_UK) and the output leaves it through W_UV. A prompt step writes the
-latents, then a decode step attends over them. On a GPU it runs on flashinfer (or fa3 where the
-FA3 build has its MLA kernels), on a CPU on the reference backend; docs/kv_layout.md, "MLA".
+One latent per token (kv_lora_rank 512 + rope 64) is cached. The prompt runs expanded, as
+engines run long prompts: per-head K (nope + rope, 192 dims) and V (128) up-projected from the
+latents and attended without the cache (``forward_ragged``), while the latents are stored for
+later steps. Decodes run absorbed: each query head moves into latent space (q_nope @ W_UK),
+attends over the cached latents, and leaves through W_UV. Both forms give the same attention.
+On a GPU it runs on flashinfer (or fa3 where the FA3 build has its MLA kernels), on a CPU on the
+reference backend; docs/kv_layout.md, "MLA" and "Ragged attention".
 
     python examples/mla.py
 """
@@ -36,12 +40,39 @@ def attention(
     return torch.einsum("thr,hrv->thv", out, w_uv)
 
 
+expanded = A.LayerSpec(
+    num_heads=HEADS,
+    num_kv_heads=HEADS,
+    head_dim=NOPE + ROPE,
+    v_head_dim=V_DIM,
+    scale=(NOPE + ROPE) ** -0.5,
+)
+
+
+def prefill(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, meta: A.AttentionMetadata
+) -> torch.Tensor:
+    """The expanded form: per-head K / V from the new latents, no cache read; the latents are
+    stored for the decodes. Same shapes as ``attention``."""
+    c, k_rope = latent[:, 0, :RANK], latent[:, :, RANK:]
+    k = torch.cat([torch.einsum("tr,hnr->thn", c, w_uk), k_rope.expand(-1, HEADS, -1)], dim=-1)
+    v = torch.einsum("tr,hrv->thv", c, w_uv)
+    cache.store(latent, None, meta.slot_mapping)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    return backend.forward_ragged(q, k, v, backend.plan(meta), expanded)
+
+
 def rand(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=device, dtype=dtype)
 
 
 prompt = A.AttentionMetadata.from_seqlens([100], [100], [[1, 2]], PAGE, device=device)
-attention(rand(100, HEADS, NOPE), rand(100, HEADS, ROPE), rand(100, 1, RANK + ROPE), prompt)
+q_nope, q_rope, latent = rand(100, HEADS, NOPE), rand(100, HEADS, ROPE), rand(100, 1, RANK + ROPE)
+first = prefill(q_nope, q_rope, latent, prompt)
+gap = (first - attention(q_nope, q_rope, latent, prompt)).abs().max()  # absorbed, same prompt
 step = A.AttentionMetadata.from_seqlens([1], [101], [[1, 2]], PAGE, device=device)
 out = attention(rand(1, HEADS, NOPE), rand(1, HEADS, ROPE), rand(1, 1, RANK + ROPE), step)
-print(f"{backend.name}: decode output {tuple(out.shape)}, latent cache {tuple(cache.k.shape)}")
+print(
+    f"{backend.name}: prefill {tuple(first.shape)} (expanded vs absorbed: max gap {gap:.1e}), "
+    f"decode {tuple(out.shape)}, latent cache {tuple(cache.k.shape)}"
+)

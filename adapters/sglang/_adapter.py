@@ -243,6 +243,59 @@ class SGLangAdapter:
             tree_mask=self.tree_mask(fb),
         )
 
+    def mha_metadata(self, fb: ForwardBatch, meta: AttentionMetadata) -> AttentionMetadata:
+        """The ragged metadata (``forward_ragged``) of an MLA model's expanded-prefill call
+        (DeepSeek's ``attn_mha``: per-head K/V the model expands, never the cache) in the step
+        ``meta`` describes: its query rows, and keys as ``forward_batch`` says, the way
+        SGLang's FA3 backend reads it:
+
+        - ``attn_attend_prefix_cache`` True: chunk ``prefix_chunk_idx`` of the cached prefix
+          (``prefix_chunk_cu_seq_lens``), every query row seeing all of it (a cross-attention
+          step: the layer runs non-causal);
+        - False with ``mha_one_shot``: every key of the sequence (``seq_lens``), causally;
+        - False, or None in a step without a cached prefix: the new tokens, causally.
+        """
+        q = meta.query_lens_cpu
+        b, dev = meta.num_seqs, meta.device
+        attend = getattr(fb, "attn_attend_prefix_cache", None)
+        cross = bool(attend)
+        if attend:
+            i = getattr(fb, "prefix_chunk_idx", None)
+            starts = getattr(fb, "prefix_chunk_cu_seq_lens", None)
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0 or starts is None:
+                raise InvalidMetadataError(
+                    "forward_batch.prefix_chunk_idx",
+                    "a chunk index >= 0 with prefix_chunk_cu_seq_lens set "
+                    "(ForwardBatch.prepare_chunked_prefix_cache_info)",
+                    repr(i),
+                )
+            host = _chunk_lens_cpu(fb, i, b)
+            key_starts = starts[i].to(torch.int32)
+            keys = (key_starts[1:] - key_starts[:-1]).to(torch.int32)
+        elif attend is None and bool((meta.seq_lens_cpu != q).any()):
+            raise InvalidMetadataError(
+                "forward_batch.attn_attend_prefix_cache",
+                "True or False in a step with a cached prefix (which keys does attn_mha see?)",
+                None,
+            )
+        elif getattr(fb, "mha_one_shot", False):
+            host, keys = meta.seq_lens_cpu, meta.seq_lens
+            key_starts = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+            torch.cumsum(keys, 0, dtype=torch.int32, out=key_starts[1:])
+        else:
+            host, key_starts = q, meta.query_start_loc
+            keys = (key_starts[1:] - key_starts[:-1]).to(torch.int32)
+        return AttentionMetadata.from_tensors(
+            query_start_loc=meta.query_start_loc,
+            seq_lens=keys,
+            page_table=torch.zeros(b, 0, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((meta.num_tokens,), -1, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=meta.query_start_loc_cpu,
+            seq_lens_cpu=host,
+            cross_attention=cross,
+            key_start_loc=key_starts,
+        )
+
     def kv_cache(
         self,
         k_buffer: torch.Tensor,
@@ -421,6 +474,20 @@ def _device_ints(field: str, values: torch.Tensor | None, batch_size: int) -> to
             field, f"shape ({batch_size},) (batch_size)", tuple(values.shape)
         )
     return values.to(torch.int32)
+
+
+def _chunk_lens_cpu(fb: ForwardBatch, i: int, b: int) -> torch.Tensor:
+    """(B,) int32 host keys of prefix chunk ``i``: ``prefix_chunk_seq_lens_cpu[i]`` (0.5.13+),
+    else SGLang's own rule from the host prefix lengths (chunk i of a prefix p covers
+    positions ``i * len .. min(p, (i + 1) * len) - 1``)."""
+    table = getattr(fb, "prefix_chunk_seq_lens_cpu", None)
+    if table is not None:
+        return _host_ints(f"forward_batch.prefix_chunk_seq_lens_cpu[{i}]", table[i], b)
+    size = getattr(fb, "prefix_chunk_len", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise InvalidMetadataError("forward_batch.prefix_chunk_len", "an int >= 1", repr(size))
+    prefix = _host_ints("forward_batch.extend_prefix_lens_cpu", fb.extend_prefix_lens_cpu, b)
+    return (prefix.clamp(max=(i + 1) * size) - i * size).clamp(min=0).to(torch.int32)
 
 
 def _batch_size(fb: ForwardBatch) -> int:

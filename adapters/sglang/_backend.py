@@ -69,8 +69,11 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
     ``k_rope`` keywords (DeepSeek's ``forward_absorb``). Captured steps write the latent
     through the pool's ``set_mla_kv_buffer`` (``set_kv_buffer`` for whole rows). The latent
     is stored without a scale, as SGLang's pool does. DeepSeek's expanded prefill layer
-    (``attn_mha``: per-head K/V of its own, never the cache) is refused naming
-    ``layer.head_dim``.
+    (``attn_mha``: q / k of qk_nope + rope dims and v of its own, which never touch the cache)
+    runs as ``Backend.forward_ragged`` over the keys ``SGLangAdapter.mha_metadata`` reads off
+    the batch (the new tokens, every key in one shot, or one prefix chunk with its
+    log-sum-exp), and returns ``[T, H, Dv]`` as SGLang's FA3 backend does; a backend without
+    ragged attention refuses it with its reasons.
     """
 
     needs_cpu_seq_lens = True
@@ -110,6 +113,8 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         self.backend: Backend = resolve_backend(backend, self.device)
         self._check_model()
         self._plan: Plan | None = None
+        self._ragged: tuple[Plan | None, dict[tuple[object, ...], Plan]] = (None, {})
+        """The step plan the ragged plans below belong to, and those plans by kind of call."""
         self._layers = LayerState()
         self._graph = None
         self._graph_plans = {}
@@ -201,6 +206,8 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             raise InvalidInputError(
                 "init_forward_metadata", "called before forward in each step", "no step metadata"
             )
+        if self.kv_lora_rank is not None and self._expanded(layer):
+            return self._attend_mha(q, k, v, layer, fb, save_kv_cache, plan, sinks, want_lse)
         entry = self._layer(layer, q.dtype, sinks is not None)
         spec, cache = entry.spec, entry.cache
         rows = q.shape[0]
@@ -287,6 +294,65 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         out = out.reshape(rows, heads * rank)
         return (out, lse) if lse is not None else out
 
+    def _expanded(self, layer: RadixAttention) -> bool:
+        """Whether ``layer`` is an MLA model's expanded prefill layer: its head dims are not
+        the latent pool's row."""
+        return int(layer.head_dim) != self.token_to_kv_pool.get_key_buffer(layer.layer_id).shape[-1]
+
+    def _attend_mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        fb: ForwardBatch,
+        save_kv_cache: bool,
+        plan: Plan,
+        sinks: torch.Tensor | None,
+        want_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's ``attn_mha`` (see the class docstring): ragged attention, no cache."""
+        where = f"layer {layer.layer_id} (an MLA model's expanded prefill, attn_mha)"
+        if k is None or v is None:
+            refuse(where, "k/v", "are required: this layer's keys come with the call")
+        if save_kv_cache:
+            refuse(
+                where,
+                "save_kv_cache",
+                "must be False: the cache holds the latent, written through set_mla_kv_buffer",
+            )
+        owner, plans = self._ragged
+        if owner is not plan:
+            owner, plans = plan, {}
+            self._ragged = (owner, plans)
+        attend = getattr(fb, "attn_attend_prefix_cache", None)
+        kind = (attend, getattr(fb, "prefix_chunk_idx", None) if attend else None,
+                bool(getattr(fb, "mha_one_shot", False)))  # fmt: skip
+        ragged = plans.get(kind)
+        if ragged is None:
+            meta = self._adapter().mha_metadata(fb, plan.metadata)
+            ragged = plans[kind] = self.backend.plan(meta)
+        spec = self.adapter.layer_spec(layer, has_sinks=sinks is not None)
+        if ragged.metadata.cross_attention:  # a prefix chunk: every key is before the queries
+            spec = dataclasses.replace(spec, causal=False)
+        forward_ragged = getattr(self.backend, "forward_ragged", None)
+        if forward_ragged is None:
+            refuse(where, "backend", f"{self.backend.name!r} has no forward_ragged")
+        heads, rows = spec.num_heads, q.shape[0]
+        q3 = _heads("q", q, heads, spec.head_dim)
+        k3 = _heads("k", k, spec.num_kv_heads, spec.head_dim).to(q.dtype)
+        v3 = _heads("v", v, spec.num_kv_heads, spec.v_dim).to(q.dtype)
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=q.device) if want_lse else None
+        try:
+            out = forward_ragged(q3, k3, v3, ragged, spec, sinks=sinks, lse=lse)
+        except UnsupportedConfigError as err:
+            raise UnsupportedConfigError(
+                f"{where}: {str(err).splitlines()[0]} (or pin DeepSeek's dispatch to the "
+                "absorbed layer: docs/adapters/sglang.md, MLA)",
+                err.reasons,
+            ) from err
+        return (out, lse) if lse is not None else out
+
     def _layer(self, layer: RadixAttention, dtype: torch.dtype, sinks: bool) -> LayerEntry:
         pool = self.token_to_kv_pool
         k_buf = pool.get_key_buffer(layer.layer_id)
@@ -312,14 +378,6 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
 
         def build() -> LayerEntry:
             rank = self.kv_lora_rank
-            if rank is not None and layer.head_dim != k_buf.shape[-1]:
-                refuse(
-                    f"layer {layer.layer_id}",
-                    "layer.head_dim",
-                    f"{layer.head_dim} is not the latent pool's {k_buf.shape[-1]}: an MLA "
-                    "model's expanded prefill layer (DeepSeek's attn_mha, per-head K/V that "
-                    "never touch the cache) is not served; only its absorbed layer is",
-                )
             spec = self.adapter.layer_spec(
                 layer,
                 has_sinks=sinks,

@@ -9,7 +9,8 @@ Each step goes through ``RadixAttention.forward`` in both call forms SGLang uses
 (q ``[T, H, rank + rope]``, k the whole latent row). The output and the *whole* latent buffer
 must equal a float64 oracle that reads SGLang's pool through ``req_to_token``, also for an
 EAGLE topk-2 tree verify (the oracle applies SGLang's own ``custom_mask``). DeepSeek's
-expanded prefill layer (``attn_mha``) is refused naming ``layer.head_dim``; an MLA model on a
+expanded prefill layer (``attn_mha``) runs ragged: new prompts, one shot over the cached
+prefix, and SGLang's own chunked-prefix metadata merged by the log-sum-exps; an MLA model on a
 backend that cannot serve its dims is refused at start-up.
 """
 
@@ -217,15 +218,163 @@ def test_padded_decode_replay_writes_the_latent_through_the_pool(page_size, monk
             req.length += 1
 
 
-def test_the_expanded_prefill_layer_is_refused_by_name() -> None:
-    e = MLAEngine(16, torch.bfloat16)
+# -- DeepSeek's expanded prefill (attn_mha): ragged attention, as SGLang's FA3 backend runs it --
+
+NOPE, V = 24, 20  # qk_nope and v dims (DeepSeek V3: 128 and 128; V differs here on purpose)
+
+
+def mha_layer() -> RadixAttention:
+    """DeepSeek's ``attn_mha``: H heads of their own, q / k nope + rope dims, v ``V`` dims."""
+    return RadixAttention(H, NOPE + ROPE, SCALE, H, layer_id=0, v_head_dim=V)
+
+
+def mha_oracle(q, keys, values, causal: bool):  # type: ignore[no-untyped-def]
+    """float64 (out [n, H, V], lse [n, H]) of one sequence's n queries, which sit at the last n
+    of len(keys) positions (causal) or see every key."""
+    n, total = q.shape[0], keys.shape[0]
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys.double()) * SCALE
+    if causal:
+        hidden = torch.arange(total)[None, :] > torch.arange(total - n, total)[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, -1).T  # (n, H); -inf for a row that sees nothing
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    return torch.einsum("hnl,lhv->nhv", probs, values.double()), lse
+
+
+class Prompts:
+    """Per request, every key and value of its sequence (the model's kv_b_proj expansion of
+    the latent, cached prefix then new tokens)."""
+
+    def __init__(self, e: MLAEngine, fb, prefix: list[int], new: list[int]) -> None:
+        self.prefix, self.new = prefix, new
+        self.q = torch.randn(sum(new), H, NOPE + ROPE, generator=e.gen)
+        self.k = [torch.randn(p + n, H, NOPE + ROPE, generator=e.gen) for p, n in zip(prefix, new)]
+        self.v = [torch.randn(p + n, H, V, generator=e.gen) for p, n in zip(prefix, new)]
+
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' K / V, packed as the model passes them ([T, H*D] like SGLang)."""
+        k = torch.cat([k[p:] for k, p in zip(self.k, self.prefix)])
+        v = torch.cat([v[p:] for v, p in zip(self.v, self.prefix)])
+        return k.flatten(1), v.flatten(1)
+
+    def oracle(self, keys=None):  # type: ignore[no-untyped-def]
+        """Each request's queries over ``keys`` (default: all of them), causally."""
+        out, lse, start = [], [], 0
+        for b, n in enumerate(self.new):
+            ks, vs = (self.k[b], self.v[b]) if keys is None else keys(b)
+            o, l_ = mha_oracle(self.q[start : start + n], ks, vs, causal=keys is None)
+            out.append(o)
+            lse.append(l_)
+            start += n
+        return torch.cat(out), torch.cat(lse)
+
+
+@pytest.mark.parametrize("attend_prefix", [False, None], ids=["flag-false", "flag-unset"])
+def test_expanded_prefill_of_new_prompts(attend_prefix) -> None:
+    """A prefill without cached prefix (SGLang's MHA / MHA_ONE_SHOT without prefix): each
+    request's new tokens over themselves, causally; ``[T, H, V]`` out, nothing written."""
+    e = MLAEngine(16, torch.float32)
+    a, b = e.table.admit(), e.table.admit()
+    fb = e.table.batch(M.EXTEND, [(a, 9), (b, 5)])
+    fb.attn_attend_prefix_cache = attend_prefix
+    e.dropin.init_forward_metadata(fb)
+    prompts = Prompts(e, fb, [0, 0], [9, 5])
+    before = e.pool.get_key_buffer(0).clone()
+    got = attend(e.dropin, mha_layer(), prompts.q.flatten(1), *prompts.new_kv(), fb,
+                 save_kv_cache=False)  # fmt: skip
+    assert got.shape == (14, H, V)
+    torch.testing.assert_close(got.double(), prompts.oracle()[0], **e.tol)
+    assert torch.equal(e.pool.get_key_buffer(0), before), "attn_mha wrote the cache"
+
+
+def test_expanded_prefill_in_one_shot_over_the_cached_prefix() -> None:
+    """MHA_ONE_SHOT with a cached prefix (``mha_one_shot``): the model passes every key of each
+    sequence, prefix then new, and the new tokens attend over them causally."""
+    e = MLAEngine(16, torch.float32)
+    a, b = e.table.admit(), e.table.admit()
+    e.run(e.table.batch(M.EXTEND, [(a, 11)]), absorbed=True)
+    a.length = 11
+    fb = e.table.batch(M.EXTEND, [(a, 5), (b, 7)])
+    fb.attn_attend_prefix_cache, fb.mha_one_shot = False, True
+    e.dropin.init_forward_metadata(fb)
+    prompts = Prompts(e, fb, [11, 0], [5, 7])
+    k, v = torch.cat(prompts.k).flatten(1), torch.cat(prompts.v).flatten(1)
+    got = attend(e.dropin, mha_layer(), prompts.q.flatten(1), k, v, fb, save_kv_cache=False)
+    torch.testing.assert_close(got.double(), prompts.oracle()[0], **e.tol)
+
+
+def test_chunked_prefix_passes_merged_by_their_lse_equal_one_pass(monkeypatch) -> None:
+    """DeepSeek's MHA_CHUNKED_KV: SGLang's own ``prepare_chunked_prefix_cache_info`` splits the
+    cached prefixes into chunks (capacity 24 here: several chunks, some empty for short
+    prefixes); the new tokens attend causally over themselves, then non-causally over each
+    chunk with ``mha_return_lse``, and the parts merged by their log-sum-exps equal attention
+    over prefix and new tokens at once."""
+    import sglang.srt.model_executor.forward_batch_deepseek_mha_mixin as mixin
+
+    from attnsdk import merge_states
+
+    e = MLAEngine(16, torch.float32)
+    reqs = [e.table.admit() for _ in range(3)]
+    e.run(e.table.batch(M.EXTEND, [(reqs[0], 37), (reqs[1], 3)]), absorbed=True)
+    reqs[0].length, reqs[1].length = 37, 3
+    fb = e.table.batch(M.EXTEND, [(reqs[0], 5), (reqs[1], 6), (reqs[2], 4)])
+    cls = type(fb)
+    monkeypatch.setattr(cls, "get_max_chunk_capacity", lambda self: 24)
+    monkeypatch.setattr(cls, "prepare_chunked_kv_indices", lambda self, *a, **kw: None)  # Triton
+    if NEW_HOOKS:
+        monkeypatch.setattr(mixin, "get_token_to_kv_pool", lambda: e.pool)
+    fb.prepare_chunked_prefix_cache_info("cpu")
+    assert fb.num_prefix_chunks == 5  # chunks of 24 // 3 = 8 tokens over the 37-token prefix
+    e.dropin.init_forward_metadata(fb)
+    prompts = Prompts(e, fb, [37, 3, 0], [5, 6, 4])
+    layer, q = mha_layer(), prompts.q.flatten(1)
+    fb.mha_return_lse = True
+    fb.set_attn_attend_prefix_cache(False)
+    out, lse = attend(e.dropin, layer, q, *prompts.new_kv(), fb, save_kv_cache=False)
+    assert out.shape == (15, H, V)
+    assert lse.shape == (15, H)
+    for i in range(fb.num_prefix_chunks):
+        fb.set_prefix_chunk_idx(i)
+        fb.set_attn_attend_prefix_cache(True)
+        size = fb.prefix_chunk_len
+        spans = [(min(p, i * size), min(p, (i + 1) * size)) for p in prompts.prefix]
+        k = torch.cat([prompts.k[b][s:t] for b, (s, t) in enumerate(spans)]).flatten(1)
+        v = torch.cat([prompts.v[b][s:t] for b, (s, t) in enumerate(spans)]).flatten(1)
+        part, part_lse = attend(e.dropin, layer, q, k, v, fb, save_kv_cache=False)
+        want, want_lse = prompts.oracle(
+            lambda b, s=spans: (prompts.k[b][s[b][0] : s[b][1]], prompts.v[b][s[b][0] : s[b][1]])
+        )
+        torch.testing.assert_close(part.double(), want, **e.tol)
+        assert torch.equal(torch.isneginf(part_lse), torch.isneginf(want_lse))
+        out, lse = merge_states(out, lse, part, part_lse)
+    want, want_lse = prompts.oracle()
+    torch.testing.assert_close(out.double(), want, **e.tol)
+    torch.testing.assert_close(lse.double(), want_lse, **e.tol)
+
+
+def test_expanded_prefill_refusals_name_what_to_do() -> None:
+    e = MLAEngine(16, torch.float32)
+    e.dropin = SGLangAttentionBackend(e.runner, backend="flex")  # MLA yes, ragged steps no
     a = e.table.admit()
     fb = e.table.batch(M.EXTEND, [(a, 4)])
     e.dropin.init_forward_metadata(fb)
-    mha = RadixAttention(H, 24 + ROPE, SCALE, H, layer_id=0, v_head_dim=24)  # DeepSeek's attn_mha
-    q = torch.randn(4, H * (24 + ROPE), dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedConfigError, match=r"layer\.head_dim"):
-        attend(e.dropin, mha, q, None, None, fb, save_kv_cache=False)
+    prompts = Prompts(e, fb, [0], [4])
+    q, (k, v) = prompts.q.flatten(1), prompts.new_kv()
+    with pytest.raises(UnsupportedConfigError, match="pin DeepSeek's dispatch") as err:
+        attend(e.dropin, mha_layer(), q, k, v, fb, save_kv_cache=False)
+    assert "ragged" in [r.field for r in err.value.reasons]
+    e = MLAEngine(16, torch.float32)
+    a = e.table.admit()
+    fb = e.table.batch(M.EXTEND, [(a, 4)])
+    e.dropin.init_forward_metadata(fb)
+    with pytest.raises(UnsupportedConfigError, match="save_kv_cache"):
+        attend(e.dropin, mha_layer(), q, k, v, fb)
+    e.run(fb, absorbed=True)
+    a.length = 4
+    fb = e.table.batch(M.EXTEND, [(a, 3)])  # a cached prefix, and no word on it
+    e.dropin.init_forward_metadata(fb)
+    with pytest.raises(ValueError, match="attn_attend_prefix_cache"):
+        attend(e.dropin, mha_layer(), q[:3], k[:3], v[:3], fb, save_kv_cache=False)
 
 
 def test_an_mla_model_on_a_backend_without_its_dims_is_refused_at_start_up() -> None:
@@ -241,11 +390,11 @@ def test_an_mla_model_on_a_backend_without_its_dims_is_refused_at_start_up() -> 
         SGLangAttentionBackend(runner, backend="reference")
 
 
-def test_deepseeks_dispatch_can_be_pinned_to_the_absorbed_layer() -> None:
+def test_deepseeks_dispatch_can_be_pinned_or_given_fa3s_paths() -> None:
     """What docs/adapters/sglang.md tells integrators: DeepSeek picks absorbed or expanded
     attention by backend name, and an unknown name (the drop-in's) gets the Triton handler,
     which sends prompts without a cached prefix to ``attn_mha``. One registered handler pins
-    every step to the absorbed layer the drop-in serves."""
+    every step to the absorbed layer; FA3's adds its one-shot and chunked-prefix paths."""
     from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
         AttnForwardMethod,
@@ -257,6 +406,8 @@ def test_deepseeks_dispatch_can_be_pinned_to_the_absorbed_layer() -> None:
     try:
         registry.register(DROPIN, lambda attn, forward_batch: AttnForwardMethod.MLA)
         assert registry.get_handler(DROPIN)(None, None) is AttnForwardMethod.MLA
+        registry.register(DROPIN, handlers.handle_attention_fa3)  # the expanded paths too
+        assert registry.get_handler(DROPIN) is registry.get_handler("fa3")
     finally:
         registry._handlers.clear()
         registry._handlers.update(saved)
