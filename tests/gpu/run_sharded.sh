@@ -55,6 +55,7 @@ shard flex_rest "$FLEXC" -k "$FLEX_REST" &
 shard models tests/gpu/test_models_gpu.py &
 shard chunked tests/gpu/test_chunked_gpu.py &
 shard mla tests/gpu/test_conformance_flashinfer.py tests/gpu/test_conformance_fa3.py -k mla &
+shard ragged tests/gpu/test_conformance_flashinfer.py tests/gpu/test_conformance_fa3.py -k ragged &
 shard fa3 tests/gpu/test_fa3.py tests/gpu/test_fuzz.py tests/gpu/test_graphs.py \
     tests/gpu/test_sglang_fa3.py tests/gpu/test_vllm_fa3.py tests/gpu/test_conformance_fa3.py &
 wait
@@ -68,7 +69,7 @@ for f in "$OUT"/*.log; do
 done
 
 BENCHES=" ${BENCH:-0} "
-[ "$BENCHES" = " 1 " ] && BENCHES=" suites tree mla "
+[ "$BENCHES" = " 1 " ] && BENCHES=" suites tree mla ragged "
 if [[ "$BENCHES" == *" suites "* ]]; then
     for suite in decode prefill mixed; do
         timeout 200 python -m attnsdk bench --suite "$suite" --out "$OUT/bench" \
@@ -76,7 +77,7 @@ if [[ "$BENCHES" == *" suites "* ]]; then
         tail -22 "$OUT/bench_$suite.txt"
     done
 fi
-for bench in tree mla; do
+for bench in tree mla ragged; do
     [[ "$BENCHES" == *" $bench "* ]] || continue
     timeout 200 python -m "benchmarks.bench_$bench" --out "$OUT/$bench" \
         > "$OUT/bench_$bench.txt" 2>&1 || status=1
