@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -175,6 +176,18 @@ class _StepCSR:
     """(nnz,) int32 on the device (a prefix of a static buffer in a captured plan)."""
 
 
+class _RaggedPlans(dict[_Ragged, Any]):
+    """One plan's ragged wrappers (variant -> its planned wrapper). A dict the backend can hold
+    a weak reference to: a pooled wrapper whose plan is gone is free for the next plan."""
+
+
+_RAGGED_POOL = 8
+"""Ragged wrappers per variant and device. A step may keep several ragged plans alive at once
+and use them in turn (SGLang's chunked prefix: one per prefix chunk, every layer running chunk
+0, 1, ...); each needs a wrapper of its own. Past this many live plans the least recently
+planned wrapper is taken over and its plan re-plans on its next use: correct, one plan() more."""
+
+
 @dataclass(frozen=True, slots=True)
 class FlashInferPlan(Plan):
     """``Plan`` plus what FlashInfer was planned with in this step.
@@ -187,8 +200,9 @@ class FlashInferPlan(Plan):
     csr: dict[tuple[bool, int, int | None], _StepCSR] = field(default_factory=dict)
     """(per_token, page_size, chunk size) -> the step's CSR on the device."""
     wrappers: dict[_Variant, tuple[Any, Kind]] = field(default_factory=dict)
-    ragged: dict[_Ragged, Any] = field(default_factory=dict)
-    """Each ragged variant planned in this step (``forward_ragged``) -> its planned wrapper."""
+    ragged: _RaggedPlans = field(default_factory=_RaggedPlans)
+    """Each ragged variant planned for this plan (``forward_ragged``) -> its wrapper, valid
+    while the backend still counts this plan its owner."""
     virtual: dict[tuple[int, int], AttentionMetadata] = field(default_factory=dict)
     """(chunk size, page size) -> the step's virtual batch for chunked variants."""
 
@@ -276,7 +290,9 @@ class FlashInferBackend(DeviceStoreBackend):
         self._fi: Any = importlib.import_module("flashinfer")
         self._workspaces: dict[torch.device, torch.Tensor] = {}
         self._wrappers: dict[tuple[Kind, _Variant], Any] = {}
-        self._ragged_wrappers: dict[_Ragged, Any] = {}
+        self._ragged_pool: dict[tuple[_Ragged, torch.device], list[Any]] = {}
+        """(variant, device) -> its ragged wrappers, least recently planned first."""
+        self._ragged_owner: dict[int, weakref.ref[_RaggedPlans]] = {}
         self._owner: dict[int, FlashInferPlan] = {}
         self._planned_copy: dict[int, torch.cuda.Event] = {}
         self.plan_calls = 0
@@ -822,8 +838,10 @@ class FlashInferBackend(DeviceStoreBackend):
         out: torch.Tensor,
         lse: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``BatchPrefillWithRaggedKVCacheWrapper``, planned once per step and ragged variant
-        from the host twins (its indptrs: no sync; ``key_start_loc`` is not read)."""
+        """``BatchPrefillWithRaggedKVCacheWrapper``, planned once per plan and ragged variant
+        from the host twins (its indptrs: no sync; ``key_start_loc`` is not read). Each live
+        plan holds a wrapper of its own from a small pool (``_RAGGED_POOL``), so plans used in
+        turn (one per prefix chunk, every layer) never run on another plan's schedule."""
         if not isinstance(plan, FlashInferPlan):
             raise InvalidInputError(
                 "plan", "a FlashInferPlan from this backend's plan()", type(plan).__name__
@@ -838,8 +856,8 @@ class FlashInferBackend(DeviceStoreBackend):
             q.dtype,
         )  # fmt: skip
         wrapper = plan.ragged.get(variant)
-        if wrapper is None:
-            wrapper = plan.ragged[variant] = self._plan_ragged(meta, variant)
+        if wrapper is None or self._ragged_plans_of(wrapper) is not plan.ragged:
+            wrapper = plan.ragged[variant] = self._plan_ragged(plan, variant)
         q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q[:rows], k, v))
         dest = out[:rows]
         o = dest if dest.is_contiguous() else torch.empty_like(dest)
@@ -854,14 +872,27 @@ class FlashInferBackend(DeviceStoreBackend):
             dest.copy_(o)
         return out
 
-    def _plan_ragged(self, meta: AttentionMetadata, v: _Ragged) -> Any:
-        """A ragged wrapper planned for ``meta``: one per variant per backend, re-planned per
-        step (one FlashInfer plan(), host indptrs)."""
-        wrapper = self._ragged_wrappers.get(v)
-        if wrapper is None:
-            wrapper = self._ragged_wrappers[v] = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
+    def _ragged_plans_of(self, wrapper: Any) -> _RaggedPlans | None:
+        """The live plan's wrappers ``wrapper`` was last planned for; None when that plan is
+        gone (or it never was planned)."""
+        owner = self._ragged_owner.get(id(wrapper))
+        return None if owner is None else owner()
+
+    def _plan_ragged(self, plan: FlashInferPlan, v: _Ragged) -> Any:
+        """A ragged wrapper of ``v`` planned for ``plan`` (one FlashInfer plan(), host
+        indptrs): a pooled one no live plan owns, a new one while the pool has room, else the
+        least recently planned one (its plan re-plans when it next runs)."""
+        meta = plan.metadata
+        pool = self._ragged_pool.setdefault((v, meta.device), [])
+        wrapper = next((w for w in pool if self._ragged_plans_of(w) is None), None)
+        if wrapper is None and len(pool) < _RAGGED_POOL:
+            wrapper = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
                 self._workspace(meta.device), "NHD", backend="fa2"
             )
+        elif wrapper is None:
+            wrapper = pool[0]
+        pool[:] = [w for w in pool if w is not wrapper] + [wrapper]
+        self._ragged_owner[id(wrapper)] = weakref.ref(plan.ragged)
         kv_indptr = torch.zeros(meta.num_seqs + 1, dtype=torch.int32)
         torch.cumsum(meta.seq_lens_cpu, 0, out=kv_indptr[1:])
         self._wait_for_previous_plan(wrapper, meta.device)

@@ -824,3 +824,70 @@ def test_ragged_steps_plan_once_per_variant_and_nothing_paged(fake: CPUFlashInfe
     fake.forward_ragged(step.q, step.k, step.v, plan, other)
     fake.forward_ragged(step.q, step.k, step.v, fake.plan(step.metadata), layer)
     assert len(_Calls.plans) == 3  # a new variant, then a new step
+
+
+def _prefix_chunks(layer: A.LayerSpec, n: int) -> list[tuple[Any, ...]]:
+    """``n`` ragged steps (metadata, q, k, v) of one variant: a chunked prefix's chunks, the
+    same three query rows per sequence over chunks of different lengths (one empty)."""
+    gen = torch.Generator().manual_seed(n)
+    steps = []
+    for i in range(n):
+        keys = [5 + 7 * i, 0, 3 + 11 * i]
+        meta = A.AttentionMetadata.for_ragged([3, 3, 3], keys, cross_attention=True)
+        q, k, v = (
+            torch.randn(rows, h, d, generator=gen).to(torch.bfloat16)
+            for rows, h, d in (
+                (9, layer.num_heads, layer.head_dim),
+                (sum(keys), layer.num_kv_heads, layer.head_dim),
+                (sum(keys), layer.num_kv_heads, layer.v_dim),
+            )
+        )
+        steps.append((meta, q, k, v))
+    return steps
+
+
+def test_ragged_plans_used_in_turn_keep_their_own_schedules(fake: CPUFlashInfer) -> None:
+    """SGLang's chunked prefix: one plan per chunk, every layer running chunk 0, 1, ... in turn.
+    Each plan keeps a wrapper of its own, so no chunk runs on another chunk's indptrs, and
+    each is planned once however many layers run."""
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=192, v_head_dim=128, causal=False)
+    steps = _prefix_chunks(layer, 3)
+    plans = [fake.plan(meta) for meta, *_ in steps]
+    ref = ReferenceBackend()
+    want = [ref.forward_ragged(q, k, v, ref.plan(meta), layer) for meta, q, k, v in steps]
+    for _ in range(3):  # layers
+        for (_, q, k, v), plan, w in zip(steps, plans, want, strict=True):
+            assert_close_to_reference(fake.forward_ragged(q, k, v, plan, layer), w)
+    assert len(_Calls.plans) == 3
+    assert len({wrapper for _, wrapper in _Calls.plans}) == 3
+
+
+def test_ragged_wrappers_of_dropped_plans_are_reused(fake: CPUFlashInfer) -> None:
+    """A wrapper whose plan is gone serves the next plan: steps after steps create none."""
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=192, v_head_dim=128, causal=False)
+    steps = _prefix_chunks(layer, 2)
+    for _ in range(4):  # steps, each dropping the previous step's plans
+        plans = [fake.plan(meta) for meta, *_ in steps]
+        for (_, q, k, v), plan in zip(steps, plans, strict=True):
+            fake.forward_ragged(q, k, v, plan, layer)
+    assert len(_Calls.plans) == 8
+    assert len({wrapper for _, wrapper in _Calls.plans}) == 2
+
+
+def test_more_live_ragged_plans_than_the_pool_replan_correctly(
+    fake: CPUFlashInfer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the pool's size a plan's wrapper is taken over; the plan re-plans, never misreads."""
+    import attnsdk.backends.flashinfer as fi
+
+    monkeypatch.setattr(fi, "_RAGGED_POOL", 2)
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=192, v_head_dim=128, causal=False)
+    steps = _prefix_chunks(layer, 3)
+    plans = [fake.plan(meta) for meta, *_ in steps]
+    ref = ReferenceBackend()
+    want = [ref.forward_ragged(q, k, v, ref.plan(meta), layer) for meta, q, k, v in steps]
+    for _ in range(2):
+        for (_, q, k, v), plan, w in zip(steps, plans, want, strict=True):
+            assert_close_to_reference(fake.forward_ragged(q, k, v, plan, layer), w)
+    assert len({wrapper for _, wrapper in _Calls.plans}) == 2
+    assert len(_Calls.plans) == 6  # three live plans over two wrappers: every use re-plans
