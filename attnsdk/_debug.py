@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attnsdk._backend import check_forward_args
-from attnsdk._errors import AttnSDKError, InvalidInputError
+from attnsdk._capabilities import Reason, ReasonKind
+from attnsdk._errors import AttnSDKError, InvalidInputError, UnsupportedConfigError
+from attnsdk._ragged import check_ragged_args
 from attnsdk._validate import check_is_metadata, validate_metadata
 
 if TYPE_CHECKING:
     from attnsdk._backend import Backend, Plan
-    from attnsdk._capabilities import Reason
     from attnsdk._config import AttentionConfig
     from attnsdk._graph import GraphBuffers
     from attnsdk._kv import KVCache, KVCacheLayout
@@ -69,6 +70,7 @@ class DebugBackend:
         self._validated: tuple[Plan, int, int | None, int | None] | None = None
         """(plan, cache pages, window, chunk) of the last validation: the plan itself, not its
         id, which a new plan may reuse once the old one is freed."""
+        self._validated_ragged: Plan | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -131,9 +133,51 @@ class DebugBackend:
             if scale is not None and not bool((torch.isfinite(scale) & (scale > 0)).all()):
                 raise InvalidInputError(name, "finite values > 0", scale.flatten().tolist())
         result = self.inner.forward(q, k, v, cache, plan, layer, **kwargs, **extra)
+        return self._checked(result, lse, rows, cache.device)
+
+    def forward_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward``'s checks for a ragged call: the arguments, ``validate(None)`` once per
+        plan (which reads ``key_start_loc`` against ``seq_lens``), finite q and key rows of
+        k / v; after it, a finite output and lse."""
+        inner = getattr(self.inner, "forward_ragged", None)
+        if inner is None:
+            raise UnsupportedConfigError(
+                f"the {self.name} backend cannot run this layer ragged:",
+                [Reason(ReasonKind.CONFIGURATION, "ragged", "it has no forward_ragged")],
+            )
+        kwargs = {"sinks": sinks, "out": out, "lse": lse}
+        if _capturing():
+            return inner(q, k, v, plan, layer, **kwargs)
+        check_ragged_args(q, k, v, plan, layer, **kwargs)
+        meta = plan.metadata
+        if self._validated_ragged is not plan:
+            validate_metadata(meta, None)
+            self._validated_ragged = plan
+        rows, keys = meta.num_tokens, int(meta.seq_lens_cpu.sum())
+        for name, t in (("q", q[:rows]), ("k", k[:keys]), ("v", v[:keys]), ("sinks", sinks)):
+            if t is not None:
+                _finite(name, t, InvalidInputError)
+        return self._checked(inner(q, k, v, plan, layer, **kwargs), lse, rows, q.device)
+
+    def _checked(
+        self, result: torch.Tensor, lse: torch.Tensor | None, rows: int, device: torch.device
+    ) -> torch.Tensor:
+        """``result`` after a forward: any error the device recorded, then a finite output and
+        lse in the ``rows`` real token rows."""
         sync_check = getattr(self.inner, "sync_check", None)
         if sync_check is not None:
-            sync_check(cache.device)
+            sync_check(device)
         _finite("output", result[:rows], None, backend=self.name)
         if lse is not None:
             # -inf is a valid log-sum-exp (a row that sees no key and no sink); NaN never is.

@@ -261,3 +261,47 @@ def test_out_is_written_and_returned() -> None:
     out = torch.full((5, 8, 32), float("nan"))
     assert reference.forward_ragged(q, k, v, plan, layer, out=out) is out
     assert_close_to_reference(out, reference.forward_ragged(q, k, v, plan, layer), atol=0, rtol=0)
+
+
+def test_debug_mode_validates_ragged_calls() -> None:
+    """Debug mode checks a ragged call as it checks a paged one: ``key_start_loc`` against
+    ``seq_lens`` (which the kernels trust), NaN inputs, and a NaN output."""
+    from attnsdk._debug import wrap_debug
+
+    debug = wrap_debug(ReferenceBackend())
+    meta = A.AttentionMetadata.for_ragged([2, 5], [2, 5])
+    q, k, v, _ = _inputs(PREFIX, meta, torch.float32, 0)
+    plan = debug.plan(meta)
+    assert_close_to_reference(
+        debug.forward_ragged(q, k, v, plan, PREFIX),
+        reference.forward_ragged(q, k, v, reference.plan(meta), PREFIX),
+    )
+    gap = dataclasses.replace(meta, key_start_loc=torch.tensor([0, 4, 9], dtype=torch.int32))
+    with pytest.raises(A.InvalidMetadataError, match="key_start_loc"):
+        debug.forward_ragged(q, k, v, debug.plan(gap), PREFIX)
+    bad = q.clone()
+    bad[1, 3, 0] = float("nan")
+    with pytest.raises(A.InvalidInputError, match=r"q: .*finite"):
+        debug.forward_ragged(bad, k, v, plan, PREFIX)
+    bad = v.clone()
+    bad[6, 0, 0] = float("nan")  # a key row of sequence 1
+    with pytest.raises(A.InvalidInputError, match=r"v: .*finite"):
+        debug.forward_ragged(q, k, bad, plan, PREFIX)
+    tail = v.clone()
+    tail[-1] = float("nan")  # past the last sequence's keys: never read, not checked
+    debug.forward_ragged(q, k, tail, plan, PREFIX)
+
+
+def test_debug_mode_refuses_ragged_on_a_backend_without_it() -> None:
+    from attnsdk._debug import DebugBackend
+
+    class Paged:
+        name = "paged-only"
+        capabilities = reference.capabilities
+
+    with pytest.raises(A.UnsupportedConfigError, match="no forward_ragged"):
+        DebugBackend(Paged()).forward_ragged(  # type: ignore[arg-type]
+            *_inputs(PREFIX, A.AttentionMetadata.for_ragged([1], [1]), torch.float32, 0)[:3],
+            reference.plan(A.AttentionMetadata.for_ragged([1], [1])),
+            PREFIX,
+        )
