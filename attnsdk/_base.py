@@ -35,6 +35,7 @@ from attnsdk._capabilities import (
     default_device,
     device_reasons,
     lse_capability_reasons,
+    paged_cross_reasons,
     step_capability_reasons,
 )
 from attnsdk._cross import cross_reasons
@@ -297,7 +298,7 @@ class BackendBase(GraphHooks):
                     "with KVCache.store)",
                     "tensors",
                 )
-            reasons = cross_reasons(layer)
+            reasons = paged_cross_reasons(self.capabilities) + cross_reasons(layer)
             if reasons:
                 raise UnsupportedConfigError(
                     "this layer cannot run in a cross-attention step:", reasons

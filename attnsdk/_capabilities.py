@@ -292,18 +292,27 @@ def lse_capability_reasons(caps: Capabilities) -> list[Reason]:
 
 def step_capability_reasons(caps: Capabilities, meta: AttentionMetadata) -> list[Reason]:
     """Why a step is refused by what ``caps`` declares: a ``tree_mask`` without
-    ``Feature.TREE_MASK``, ``cross_attention`` without ``Feature.CROSS_ATTENTION`` (unless the
-    step is ragged: no page table, for ``forward_ragged`` of a backend with ``Feature.RAGGED``,
-    which then serves the flag itself)."""
+    ``Feature.TREE_MASK``, ``cross_attention`` without ``Feature.CROSS_ATTENTION`` or
+    ``Feature.RAGGED`` (a plan serves both forwards: a backend with only ``RAGGED`` plans the
+    step, and its paged ``forward`` refuses it, ``paged_cross_reasons``)."""
     reasons = []
     if meta.tree_mask is not None and Feature.TREE_MASK not in caps.features:
         reasons.append(Reason(ReasonKind.BATCH, "tree_mask", "is not supported by this backend"))
-    ragged = Feature.RAGGED in caps.features and meta.page_table.shape[-1] == 0
+    ragged = Feature.RAGGED in caps.features
     if meta.cross_attention and Feature.CROSS_ATTENTION not in caps.features and not ragged:
         reasons.append(
             Reason(ReasonKind.BATCH, "cross_attention", "is not supported by this backend")
         )
     return reasons
+
+
+def paged_cross_reasons(caps: Capabilities) -> list[Reason]:
+    """Why a paged ``forward`` refuses a cross-attention step that ``plan`` accepted for
+    ``forward_ragged`` (a backend with ``Feature.RAGGED`` but not ``CROSS_ATTENTION``)."""
+    if Feature.CROSS_ATTENTION in caps.features:
+        return []
+    why = "is served only by forward_ragged on this backend (K/V given in the call)"
+    return [Reason(ReasonKind.BATCH, "cross_attention", why)]
 
 
 _FEATURE_FIELDS = {Feature.CHUNKED_LOCAL: "attention_chunk_size"}

@@ -14,7 +14,8 @@ Semantics (docs/kv_layout.md, "Ragged attention"): sequence b has its query rows
 last ``query_len`` positions, so the layer's rules (bottom-right causal, window, chunks,
 softcap, sinks) read exactly as in a paged step. With ``cross_attention`` every query row sees
 all of its sequence's keys (a prefix chunk: a non-causal layer, and a chunk may be shorter
-than the queries). ``AttentionMetadata.for_ragged`` builds such a step. Tree masks, MLA layers
+than the queries). Parts merged by ``merge_states`` each count the sinks they are given: give
+them to one part only. ``AttentionMetadata.for_ragged`` builds such a step. Tree masks, MLA layers
 (their latent lives in a cache) and CUDA-graph plans are refused.
 """
 

@@ -19,9 +19,20 @@ class NoTreesBackend(ReferenceBackend):
 
 
 class NoCrossBackend(ReferenceBackend):
-    """The reference without ``Feature.CROSS_ATTENTION`` (like flashinfer)."""
+    """The reference without ``Feature.CROSS_ATTENTION`` or ``Feature.RAGGED``."""
 
     name = "no-cross"
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities,
+        features=ReferenceBackend.capabilities.features - {Feature.CROSS_ATTENTION, Feature.RAGGED},
+    )
+
+
+class RaggedCrossOnlyBackend(ReferenceBackend):
+    """The reference without paged ``Feature.CROSS_ATTENTION`` but with ``Feature.RAGGED``
+    (like flashinfer): cross-attention chunks only through ``forward_ragged``."""
+
+    name = "ragged-cross-only"
     capabilities = dataclasses.replace(
         ReferenceBackend.capabilities,
         features=ReferenceBackend.capabilities.features - {Feature.CROSS_ATTENTION},

@@ -469,6 +469,8 @@ class FlashInferBackend(DeviceStoreBackend):
 
     def make_plan(self, meta: AttentionMetadata) -> FlashInferPlan:
         plan = FlashInferPlan(meta)
+        if meta.cross_attention:  # forward_ragged's alone (a paged forward refuses it)
+            return plan
         for variant in self._variants(meta):
             self._plan_variant(plan, variant)
         return plan

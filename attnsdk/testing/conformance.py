@@ -50,6 +50,7 @@ from attnsdk._capabilities import (
     GraphSupport,
     Reason,
     lse_capability_reasons,
+    paged_cross_reasons,
     step_capability_reasons,
 )
 from attnsdk._create import create_backend, explain
@@ -744,6 +745,8 @@ class BackendConformance:
         """Skip, with the backend's reasons, a step kind it does not declare (a tree mask,
         cross-attention), after checking that it is refused before anything is written."""
         reasons = step_capability_reasons(subject.capabilities, batch.metadata)
+        if batch.metadata.cross_attention:  # a paged step: RAGGED alone does not serve it
+            reasons += paged_cross_reasons(subject.capabilities)
         _refused(reasons, subject, batch, with_lse=False)
 
     def _check_lse_of(

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from backend_variants import NoCrossBackend
+from backend_variants import NoCrossBackend, RaggedCrossOnlyBackend
 from oracle import run_oracle
 
 import attnsdk as A
@@ -58,6 +58,23 @@ def test_a_backend_without_cross_attention_refuses_the_step_at_plan() -> None:
     with pytest.raises(A.UnsupportedConfigError, match="cannot serve this step") as err:
         NoCrossBackend().plan(_meta([2, 1], [20, 3]))
     assert [r.field for r in err.value.reasons] == ["cross_attention"]
+
+
+@pytest.mark.parametrize("width", [0, 1])
+def test_a_ragged_only_backend_refuses_a_paged_cross_step_at_forward(width: int) -> None:
+    """A backend with ``Feature.RAGGED`` but no paged cross-attention plans the step (a plan
+    serves both forwards) and refuses it in ``forward``, whatever the page table's width."""
+    backend = RaggedCrossOnlyBackend()
+    meta = A.AttentionMetadata.from_seqlens([2], [width], [[1] * width], 16, cross_attention=True)
+    plan = backend.plan(meta)
+    q = torch.zeros(2, 4, 32)
+    with pytest.raises(A.UnsupportedConfigError, match="cross-attention step") as err:
+        backend.forward(q, None, None, LAYOUT.allocate(num_pages=2), plan, CROSS)
+    assert [r.field for r in err.value.reasons] == ["cross_attention"]
+    ragged = A.AttentionMetadata.for_ragged([2], [3], cross_attention=True)
+    k, v = torch.ones(3, 2, 32), torch.ones(3, 2, 32)
+    out = backend.forward_ragged(q, k, v, backend.plan(ragged), CROSS)
+    assert torch.equal(out, torch.ones_like(out))
 
 
 @pytest.mark.parametrize(
