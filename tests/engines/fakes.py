@@ -91,6 +91,12 @@ VLLM_PATCHES: dict[str, str] = {
         "implementation (kv_cache_dtype 'auto' only) so vLLM's own FLEX_ATTENTION backend "
         "can serve as a control in vLLM's harness. Skipped with install(cache_ops=False)."
     ),
+    "_C_cache_ops.concat_and_cache_mla": (
+        "Compiled op (vllm._C) with which vLLM's MLAAttentionImpl.do_kv_cache_update writes "
+        "the latent cache (kv_c then k_pe per token). Registered beside reshape_and_cache_flash "
+        "as a plain-PyTorch CPU implementation (kv_cache_dtype 'auto' only), so MLA layers run "
+        "with vLLM's own cache writes."
+    ),
     "hf_offline": (
         "vLLM's harness builds ModelConfig('Qwen/Qwen3-0.6B'), which reads config.json from "
         "the Hub; the Hub is unreachable here. install() writes that config.json into an "
@@ -127,6 +133,31 @@ HF_CONFIGS: dict[str, dict] = {
         "use_cache": True,
         "use_sliding_window": False,
         "vocab_size": 151936,
+    },
+    # Not on the Hub: a two-layer DeepSeek-V2 shape for the MLA drop-in's tests
+    # (vllm_engine/test_vllm_mla.py). vLLM's MLA head size is kv_lora_rank + rope = 576.
+    "attnsdk-test/tiny-deepseek-v2": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 2,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 64,
+        "vocab_size": 1000,
+        "max_position_embeddings": 2048,
+        "torch_dtype": "bfloat16",
+        "rope_theta": 10000,
+        "rms_norm_eps": 1e-6,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 2,
     },
 }
 
@@ -350,6 +381,34 @@ def _register_cache_ops() -> None:
         value_cache[blocks, offsets] = value[:n][valid].to(value_cache.dtype)
 
     lib.impl("reshape_and_cache_flash", reshape_and_cache_flash, "CompositeExplicitAutograd")
+    lib.define(
+        "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, "
+        "Tensor slot_mapping, str kv_cache_dtype, Tensor scale, bool skip_scale=False) -> ()"
+    )
+
+    def concat_and_cache_mla(
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        scale: torch.Tensor,
+        skip_scale: bool = False,
+    ) -> None:
+        # kv_c: [T, kv_lora_rank]; k_pe: [T, rope] or [T, 1, rope]; kv_cache: [blocks, bs, L+R].
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(
+                f"CPU concat_and_cache_mla (tests/engines/fakes.py) handles kv_cache_dtype='auto' "
+                f"only, not {kv_cache_dtype!r}"
+            )
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        valid = slots >= 0
+        rows = torch.cat((kv_c[:n], k_pe[:n].reshape(n, -1)), dim=-1)[valid]
+        block_size = kv_cache.shape[1]
+        kv_cache[slots[valid] // block_size, slots[valid] % block_size] = rows.to(kv_cache.dtype)
+
+    lib.impl("concat_and_cache_mla", concat_and_cache_mla, "CompositeExplicitAutograd")
     _KEEP.append(lib)  # a Library deregisters its ops when garbage-collected
 
 
