@@ -2,7 +2,9 @@
 
 ``VLLMAdapter`` converts (subclass it for a fork); ``AttnSDKAttentionBackend`` plugs any attnsdk
 backend into vLLM v1 (with ``AttnSDKMetadataBuilder`` and ``AttnSDKAttentionImpl``);
-``register()`` adds it to vLLM's registry; test doubles live in ``attnsdk.adapters.vllm.testing``.
+``register()`` adds it to vLLM's registry; ``AttnSDKMLABackend`` runs MLA layers' decode on an
+attnsdk backend inside vLLM's MLA machinery (vLLM required); test doubles live in
+``attnsdk.adapters.vllm.testing``.
 vLLM is imported only when a drop-in class is first used (to subclass vLLM's base classes, if
 vLLM is installed) and by ``register()``.
 """
@@ -26,11 +28,19 @@ if TYPE_CHECKING:
         AttnSDKMetadataBuilderBase as AttnSDKMetadataBuilder,
     )
     from attnsdk.adapters.vllm._impl import AttnSDKAttentionImplBase as AttnSDKAttentionImpl
+    from attnsdk.adapters.vllm._mla import AttnSDKMLABackendBase as AttnSDKMLABackend
+    from attnsdk.adapters.vllm._mla import AttnSDKMLAImplBase as AttnSDKMLAImpl
+    from attnsdk.adapters.vllm._mla import (
+        AttnSDKMLAMetadataBuilderBase as AttnSDKMLAMetadataBuilder,
+    )
 
 __all__ = [
     "VLLM_VERSIONS",
     "AttnSDKAttentionBackend",
     "AttnSDKAttentionImpl",
+    "AttnSDKMLABackend",
+    "AttnSDKMLAImpl",
+    "AttnSDKMLAMetadataBuilder",
     "AttnSDKMetadataBuilder",
     "BackendSpec",
     "VLLMAdapter",
@@ -42,6 +52,7 @@ __all__ = [
 ]
 
 _DROP_INS = {"AttnSDKAttentionBackend": 0, "AttnSDKMetadataBuilder": 1, "AttnSDKAttentionImpl": 2}
+_MLA_DROP_INS = {"AttnSDKMLABackend": 0, "AttnSDKMLAMetadataBuilder": 1, "AttnSDKMLAImpl": 2}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,4 +60,8 @@ def __getattr__(name: str) -> Any:
         from attnsdk.adapters.vllm._backend import vllm_classes
 
         return vllm_classes()[_DROP_INS[name]]
+    if name in _MLA_DROP_INS:
+        from attnsdk.adapters.vllm._mla import vllm_mla_classes
+
+        return vllm_mla_classes()[_MLA_DROP_INS[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

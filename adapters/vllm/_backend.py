@@ -424,8 +424,8 @@ class AttnSDKAttentionBackendBase:
             reasons.append(str(exc))
         compute = compute_dtype_by_name(kv_cache_dtype)
         checks = {
-            "MLA not supported by this drop-in yet (vLLM's MLA layers need an MLACommonBackend; "
-            "attnsdk serves MLA directly, LayerSpec.mla, and through the SGLang drop-in)": use_mla,
+            "MLA layers are served by attnsdk.adapters.vllm.AttnSDKMLABackend (vLLM's "
+            "MLACommonBackend), not by this drop-in": use_mla,
             "sparse attention not supported": use_sparse,
             "partial multimodal token full attention not supported": use_mm_prefix,
             "batch invariance not supported": use_batch_invariant,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from attnsdk import InvalidInputError, InvalidMetadataError
+from attnsdk import BackendUnavailableError, InvalidInputError, InvalidMetadataError
 from attnsdk.adapters.vllm import VLLMAdapter, VLLMKVLayout, detect_kv_layout
 from attnsdk.adapters.vllm.testing import (
     PHYSICAL_LAYOUTS,
@@ -277,6 +278,9 @@ def test_public_names_are_pinned() -> None:
         "VLLM_VERSIONS",
         "AttnSDKAttentionBackend",
         "AttnSDKAttentionImpl",
+        "AttnSDKMLABackend",
+        "AttnSDKMLAImpl",
+        "AttnSDKMLAMetadataBuilder",
         "AttnSDKMetadataBuilder",
         "BackendSpec",
         "VLLMAdapter",
@@ -287,7 +291,11 @@ def test_public_names_are_pinned() -> None:
         "register",
     ]
     for name in vllm_adapter.__all__:
-        assert hasattr(vllm_adapter, name), name
+        if name.startswith("AttnSDKMLA") and importlib.util.find_spec("vllm") is None:
+            with pytest.raises(BackendUnavailableError):  # vLLM subclasses: vLLM needed
+                getattr(vllm_adapter, name)
+        else:
+            assert hasattr(vllm_adapter, name), name
 
 
 def test_importing_the_adapter_never_imports_vllm() -> None:

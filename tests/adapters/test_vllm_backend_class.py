@@ -81,7 +81,7 @@ def test_validate_configuration_returns_reasons() -> None:
         2048, torch.float64, "int8", 16, use_mla=True, use_sparse=True
     )
     text = "\n".join(reasons)
-    for needle in ("dtype", "MLA not supported", "sparse", "kv_cache_dtype 'int8'"):
+    for needle in ("dtype", "AttnSDKMLABackend", "sparse", "kv_cache_dtype 'int8'"):
         assert needle in text, text
     too_big = RefBackend.validate_configuration(2048, torch.float16, "auto", 16)
     assert any("head_dim" in r for r in too_big)
@@ -262,3 +262,14 @@ def test_a_builder_of_kv_sharing_layers_plans_no_writes() -> None:
     assert torch.equal(
         owning.build(0, cm).metadata.slot_mapping, cm.slot_mapping[: cm.num_actual_tokens]
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_the_mla_drop_in_without_vllm_names_what_is_missing() -> None:
+    """The MLA classes subclass vLLM's MLA machinery: without vLLM, asking for one says so
+    (tests/engines/vllm_engine/test_vllm_mla.py runs them inside vLLM)."""
+    import attnsdk.adapters.vllm as vllm_adapter
+
+    with pytest.raises(BackendUnavailableError, match="mla_attention") as err:
+        vllm_adapter.AttnSDKMLABackend  # noqa: B018
+    assert err.value.install_command == "pip install vllm"

@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 from attnsdk import AttentionConfig
-from attnsdk.adapters.vllm import AttnSDKAttentionBackend
+from attnsdk.adapters.vllm import AttnSDKAttentionBackend, AttnSDKMLABackend
 
 REF = "vllm_engine.attnsdk_ref.Ref"
 REF_DEBUG = "vllm_engine.attnsdk_ref.RefDebug"
@@ -45,3 +45,12 @@ def _misscaled(base: type) -> type:
         base.__init__(self, num_heads, head_size, 2 * scale, *a, **k)
 
     return type("MisscaledImpl", (base,), {"__init__": __init__})
+
+
+REF_MLA = "vllm_engine.attnsdk_ref.RefMLA"
+
+
+class RefMLA(AttnSDKMLABackend):  # type: ignore[misc,valid-type]
+    """attnsdk's reference backend serving vLLM's MLA layers' decode rows."""
+
+    attnsdk_backend = "reference"

@@ -132,7 +132,7 @@ def _adaptive(c: Any) -> None:
         (_pcp, {}, "PCP not supported"),
         (_rswa, {}, "R-SWA not supported"),
         (_adaptive, {}, "needed for adaptive verification"),
-        (None, {"use_mla": True}, "MLA not supported"),
+        (None, {"use_mla": True}, "AttnSDKMLABackend"),
         (None, {"kv_cache_dtype": "float16"}, "kv_cache_dtype 'float16' with a torch.bfloat16"),
     ],
     ids=["dcp", "pcp", "rswa", "adaptive-verification", "mla", "fp16-cache"],

@@ -1,0 +1,339 @@
+"""vLLM's MLA layers (DeepSeek V2/V3/R1, Kimi K2) with their decode on an attnsdk backend.
+
+vLLM runs every MLA layer through its own ``MLACommonImpl``: it projects the queries, writes
+the latent cache (``do_kv_cache_update``), and runs the expanded prefill with one of its MLA
+prefill backends (``attention_config.mla_prefill_backend``). What a backend adds is the decode
+rows, ``forward_mqa``: queries absorbed into the latent space (``kv_lora_rank + rope`` dims)
+over the latent cache, one KV head, output in the latent space (vLLM applies ``W_UV``). The
+drop-in runs that on any attnsdk backend with ``Feature.MLA`` (``LayerSpec.for_mla`` over
+``KVCacheLayout.for_mla``), with one plan per step made by its builder::
+
+    class FlashInferMLA(AttnSDKMLABackend):
+        attnsdk_backend = "flashinfer"
+
+These classes subclass vLLM's (an MLA layer is vLLM's machinery plus ``forward_mqa``), so they
+exist only where vLLM is installed. Decode rows take one token each (vLLM's
+``QueryLenSupport.SINGLE_ONLY``: speculative verifies run as prefills); full CUDA graphs are not
+offered (plans are per step); fp8 latent caches, sliding windows, softcap, ALiBi and decode
+context parallelism are refused with the field that asks for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, ClassVar
+
+import torch
+
+from attnsdk import (
+    AttentionMetadata,
+    BackendUnavailableError,
+    InvalidMetadataError,
+    KVCache,
+    KVCacheLayout,
+    LayerSpec,
+    Plan,
+    Reason,
+    ReasonKind,
+    UnsupportedConfigError,
+)
+from attnsdk.adapters._common import drop_in_class, resolve_backend
+from attnsdk.adapters.vllm._adapter import VLLMAdapter
+from attnsdk.adapters.vllm._backend import VLLM_VERSIONS, VLLMCudaGraphSupport
+from attnsdk.adapters.vllm._resolve import BackendSpec, bind, vllm_symbol
+
+__all__ = [
+    "AttnSDKMLABackendBase",
+    "AttnSDKMLAImplBase",
+    "AttnSDKMLAMetadataBuilderBase",
+    "vllm_mla_classes",
+]
+
+_MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+_KV_CACHE_DTYPES = ["auto", "float16", "bfloat16"]
+"""The latent cache in the model's dtype; vLLM's fp8 latent (stored as uint8, its own scale
+conventions) is not mapped yet."""
+_ROPE = 64
+"""DeepSeek's and Kimi's rope dims, which vLLM's MLA head sizes (320, 512, 576) assume."""
+
+
+class AttnSDKMLAMetadataBuilderBase:
+    """vLLM's ``MLACommonMetadataBuilder`` plus one attnsdk plan of the step's decode rows.
+
+    vLLM's builder splits the batch (decode rows first) and builds its own prefill metadata;
+    ``build`` then plans the decode rows and hands the plan to every layer in
+    ``metadata.decode.plan``."""
+
+    attnsdk_backend: ClassVar[BackendSpec] = None
+    adapter: ClassVar[VLLMAdapter] = VLLMAdapter()
+    """Subclass ``VLLMAdapter`` and set it here to read a fork's fields."""
+    decode_cls: ClassVar[type]
+    """vLLM's ``MLACommonDecodeMetadata`` plus ``plan`` (set when the classes are built)."""
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: Any,
+        device: torch.device,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]  # vLLM's MLACommonMetadataBuilder
+            kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs
+        )
+        self.backend = resolve_backend(self.attnsdk_backend)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> Any:
+        """NEVER for full graphs: plans are per-step objects; piecewise graphs work."""
+        enum_cls = vllm_symbol("AttentionCGSupport")
+        return VLLMCudaGraphSupport.NEVER if enum_cls is None else enum_cls.NEVER
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
+    ) -> Any:
+        md = super().build(  # type: ignore[misc]
+            common_prefix_len, common_attn_metadata, fast_build
+        )
+        if md.decode is not None:
+            meta = self.decode_metadata(common_attn_metadata, md.num_decodes, md.num_decode_tokens)
+            fields = {f.name: getattr(md.decode, f.name) for f in dataclasses.fields(md.decode)}
+            md.decode = self.decode_cls(**fields, plan=self.backend.plan(meta))
+        return md
+
+    def decode_metadata(
+        self, common_attn_metadata: Any, num_decodes: int, num_decode_tokens: int
+    ) -> AttentionMetadata:
+        """The step's first ``num_decodes`` requests (vLLM orders decodes first) as attnsdk
+        metadata. No slots (-1): vLLM has written their latents before ``forward_mqa``."""
+        meta = self.adapter.build_metadata(common_attn_metadata)
+        b = num_decodes
+        if int(meta.query_start_loc_cpu[b]) != num_decode_tokens:
+            raise InvalidMetadataError(
+                "num_decode_tokens",
+                f"the first {b} requests' tokens, query_start_loc_cpu[{b}] = "
+                f"{int(meta.query_start_loc_cpu[b])}",
+                num_decode_tokens,
+            )
+        return AttentionMetadata.from_tensors(
+            query_start_loc=meta.query_start_loc[: b + 1],
+            seq_lens=meta.seq_lens[:b],
+            page_table=meta.page_table[:b],
+            slot_mapping=torch.full(
+                (num_decode_tokens,), -1, dtype=torch.int64, device=meta.device
+            ),
+            query_start_loc_cpu=meta.query_start_loc_cpu[: b + 1],
+            seq_lens_cpu=meta.seq_lens_cpu[:b],
+        )
+
+
+class AttnSDKMLAImplBase:
+    """vLLM's ``MLACommonImpl`` with ``forward_mqa`` on the attnsdk backend.
+
+    Everything else (projections, cache writes, the expanded prefill and its merge) is vLLM's
+    own code, unchanged."""
+
+    attnsdk_backend: ClassVar[BackendSpec] = None
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        **mla_args: Any,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]  # vLLM's MLACommonImpl
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+            **mla_args,
+        )  # fmt: skip
+        # vLLM would hand fp8-quantized queries to a backend that says it takes them.
+        self.supports_quant_query_input = False
+        kind = getattr(attn_type, "value", attn_type)
+        asks = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            "attn_type": kind != "decoder",
+            "kv_cache_dtype": kv_cache_dtype not in _KV_CACHE_DTYPES,
+            "decode_context_parallel_size": getattr(self, "dcp_world_size", 1) > 1,
+        }
+        found = {
+            "alibi_slopes": "ALiBi",
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+            "attn_type": kind,
+            "kv_cache_dtype": repr(kv_cache_dtype),
+            "decode_context_parallel_size": getattr(self, "dcp_world_size", 1),
+        }
+        reasons = [
+            Reason(
+                ReasonKind.CONFIGURATION, name, f"is not served by the MLA drop-in: {found[name]}"
+            )
+            for name, asked in asks.items()
+            if asked
+        ]
+        if reasons:
+            raise UnsupportedConfigError("AttnSDKMLABackend cannot serve this layer:", reasons)
+        self.backend = resolve_backend(self.attnsdk_backend)
+        rank = int(mla_args["kv_lora_rank"])
+        self.spec = LayerSpec.for_mla(
+            num_heads, kv_lora_rank=rank, rope_dim=int(mla_args["qk_rope_head_dim"]), scale=scale
+        )
+        self._cache: tuple[tuple[Any, ...], KVCache] | None = None
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: Any,
+        layer: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode rows: q (rows, H, rank + rope), or its (latent, rope) halves, over the
+        latent cache (blocks, block_size, rank + rope); out (rows, H, rank), no lse."""
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        plan = getattr(attn_metadata.decode, "plan", None)
+        if not isinstance(plan, Plan):
+            raise InvalidMetadataError(
+                "attn_metadata.decode.plan",
+                "the attnsdk plan AttnSDKMLABackend's builder makes",
+                type(plan).__name__,
+            )
+        cache = self._wrap(kv_c_and_k_pe_cache)
+        return self.backend.forward(q, None, None, cache, plan, self.spec), None
+
+    def _wrap(self, kv: torch.Tensor) -> KVCache:
+        """vLLM's latent cache (blocks, block_size, rank + rope) as attnsdk's MLA cache, adopted
+        without a copy; reused while vLLM hands the same tensor."""
+        key = (kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype)
+        if self._cache is None or self._cache[0] != key:
+            if kv.dim() != 3:
+                raise InvalidMetadataError(
+                    "kv_c_and_k_pe_cache",
+                    "(num_blocks, block_size, kv_lora_rank + rope)",
+                    tuple(kv.shape),
+                )
+            layout = KVCacheLayout.for_mla(
+                kv.shape[1],
+                kv_lora_rank=self.spec.v_dim,
+                rope_dim=kv.shape[2] - self.spec.v_dim,
+                dtype=kv.dtype,
+            )
+            self._cache = (key, layout.wrap(kv.unsqueeze(2)))
+        return self._cache[1]
+
+
+class AttnSDKMLABackendBase:
+    """vLLM's ``MLACommonBackend`` naming the drop-in's impl and builder, with what the
+    attnsdk backend supports. Use it as ``attnsdk.adapters.vllm.AttnSDKMLABackend``."""
+
+    attnsdk_backend: ClassVar[BackendSpec] = None
+    impl_cls: ClassVar[type]
+    builder_cls: ClassVar[type]
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = _KV_CACHE_DTYPES
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @classmethod
+    def get_impl_cls(cls) -> type:
+        return bind(cls.impl_cls, cls.attnsdk_backend)
+
+    @classmethod
+    def get_builder_cls(cls) -> type:
+        return bind(cls.builder_cls, cls.attnsdk_backend)
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec: Any = None) -> list[Any]:
+        caps = resolve_backend(cls.attnsdk_backend).capabilities
+        multiple_of = vllm_symbol("MultipleOf")
+        base = caps.page_size_multiple
+        return [multiple_of(base)] if multiple_of is not None else [base]
+
+    @classmethod
+    def supports_compute_capability(cls, capability: Any) -> bool:
+        caps = resolve_backend(cls.attnsdk_backend).capabilities
+        cc = (capability.major, capability.minor)
+        low, high = caps.min_compute_capability, caps.max_compute_capability
+        return (low is None or cc >= low) and (high is None or cc <= high)
+
+    @classmethod
+    def supports_combination(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str | None,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        device_capability: Any,
+    ) -> str | None:
+        """vLLM's last check: None when the attnsdk backend serves this MLA layer, else its
+        reasons. vLLM asks with the latent row's ``head_size`` (rank + rope, rope 64)."""
+        backend = resolve_backend(cls.attnsdk_backend)
+        caps = backend.capabilities
+        rank = head_size - _ROPE
+        layer = LayerSpec.for_mla(1, kv_lora_rank=rank, rope_dim=_ROPE)
+        page = block_size or max(caps.min_page_size, caps.page_size_multiple)
+        layout = KVCacheLayout.for_mla(page, kv_lora_rank=rank, rope_dim=_ROPE, dtype=dtype)
+        device = "cuda" if device_capability is not None else None
+        reasons = [str(r) for r in backend.unsupported_reasons(layer, layout, device)]
+        if has_sink or use_sparse or use_mm_prefix:
+            reasons.append("sinks, sparse MLA and multimodal prefixes are not served")
+        return "; ".join(reasons) or None
+
+
+@functools.cache
+def vllm_mla_classes() -> tuple[type, type, type]:
+    """The public (backend, builder, impl) MLA classes, subclassing vLLM's MLA machinery.
+    Raises ``BackendUnavailableError`` where vLLM is not installed (MLA needs its code)."""
+    VLLM_VERSIONS.check()
+    try:
+        machinery = importlib.import_module(_MLA_MODULE)
+    except ImportError as err:
+        raise BackendUnavailableError(
+            f"AttnSDKMLABackend subclasses vLLM's MLA layer machinery ({_MLA_MODULE}), which "
+            f"is not importable here: {err}",
+            "pip install vllm",
+        ) from err
+    decode_cls = dataclasses.make_dataclass(
+        "AttnSDKMLADecodeMetadata",
+        [("plan", Any, dataclasses.field(default=None))],
+        bases=(machinery.MLACommonDecodeMetadata,),
+        namespace={"__module__": "attnsdk.adapters.vllm"},
+    )
+    where = "attnsdk.adapters.vllm"
+    impl = drop_in_class(
+        AttnSDKMLAImplBase, "AttnSDKMLAImpl", where, (_MLA_MODULE, "MLACommonImpl")
+    )
+    builder = drop_in_class(
+        AttnSDKMLAMetadataBuilderBase,
+        "AttnSDKMLAMetadataBuilder",
+        where,
+        (_MLA_MODULE, "MLACommonMetadataBuilder"),
+        decode_cls=decode_cls,
+    )
+    backend = drop_in_class(
+        AttnSDKMLABackendBase,
+        "AttnSDKMLABackend",
+        where,
+        (_MLA_MODULE, "MLACommonBackend"),
+        impl_cls=impl,
+        builder_cls=builder,
+    )
+    return backend, builder, impl

@@ -1,0 +1,251 @@
+"""The MLA drop-in (``AttnSDKMLABackend``) inside vLLM's own MLA layer, on the CPU.
+
+A DeepSeek-V2-shaped ``MLAAttention`` (4 heads, kv_lora_rank 512, rope 64, nope 32, v 32) runs
+its real ``forward``: vLLM projects the queries, writes the latent cache (the CPU
+``concat_and_cache_mla`` of tests/engines/fakes.py), runs new-token prefills with its CPU prefill
+backend, and hands the decode rows to the drop-in's ``forward_mqa`` on attnsdk's reference
+backend. The oracle is the un-absorbed attention in float64, written here from the model's
+definition: K = [W_UK c ; k_pe], V = W_UV c, causal, scale (nope + rope) ** -0.5.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+from tests.v1.attention.utils import BatchSpec, create_common_attn_metadata, create_vllm_config
+from vllm.config import set_current_vllm_config
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+from vllm_engine.attnsdk_ref import RefMLA
+
+import attnsdk as A
+from attnsdk.adapters.vllm import AttnSDKAttentionBackend
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+H, RANK, ROPE, NOPE, DV, BS = 4, 512, 64, 32, 32, 16
+BLOCKS = 1024  # the block ids vLLM's create_common_attn_metadata hands out reach ~1000
+MODEL = "attnsdk-test/tiny-deepseek-v2"
+SCALE = (NOPE + ROPE) ** -0.5
+DTYPE = torch.bfloat16
+
+
+@contextlib.contextmanager
+def model_dtype() -> Iterator[None]:
+    """The default dtype the model's, as vLLM's model loader sets it while it builds and
+    post-processes the layers (W_UK / W_UV come out in it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPE)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class KVBProj(torch.nn.Module):
+    """``kv_b_proj`` without a tensor-parallel group: latent -> per head [k_nope ; v]."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.quant_method = None
+        w = torch.randn(H * (NOPE + DV), RANK, generator=gen) / 8
+        self.weight = torch.nn.Parameter(w.to(DTYPE), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.weight.T, None
+
+
+class Model:
+    """One MLA layer with its cache, bound the way vLLM's worker binds it."""
+
+    def __init__(self, backend: type = RefMLA) -> None:
+        self.config = create_vllm_config(
+            model_name=MODEL, max_model_len=256, block_size=BS, num_gpu_blocks=BLOCKS
+        )
+        gen = torch.Generator().manual_seed(0)
+        self.kv_b_proj = KVBProj(gen)
+        with set_current_vllm_config(self.config), model_dtype():
+            self.layer = MLAAttention(
+                num_heads=H, scale=SCALE, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+                v_head_dim=DV, q_lora_rank=None, kv_lora_rank=RANK, kv_b_proj=self.kv_b_proj,
+                cache_config=self.config.cache_config, prefix="model.layers.0.self_attn.attn",
+                attn_backend=backend, prefill_backend_cls=CPUSDPAMLAPrefillBackend,
+            )  # fmt: skip
+            try:
+                self.layer.process_weights_after_loading()  # vLLM 0.34
+            except TypeError:
+                self.layer.process_weights_after_loading(DTYPE)  # vLLM 0.33
+            spec = self.layer.get_kv_cache_spec(self.config)
+            kv = torch.zeros(BLOCKS, 1, BS, RANK + ROPE, dtype=DTYPE)
+            if hasattr(self.layer, "bind_kv_cache"):
+                self.layer.bind_kv_cache(kv)
+            else:
+                self.layer.kv_cache = kv
+            self.builder = backend.get_builder_cls()(
+                spec, [self.layer.layer_name], self.config, torch.device("cpu")
+            )
+
+    @property
+    def cache(self) -> torch.Tensor:
+        """(blocks, block_size, rank + rope): the latent rows as vLLM keeps them."""
+        return self.layer.kv_cache.view(-1, BS, RANK + ROPE)
+
+    def step(self, seq_lens: list[int], query_lens: list[int], seed: int) -> dict[str, Any]:
+        """One step: the context already cached (random latents), the new tokens run through
+        the layer. Returns the output, the float64 oracle and vLLM's metadata."""
+        gen = torch.Generator().manual_seed(seed)
+        spec = BatchSpec(seq_lens=seq_lens, query_lens=query_lens)
+        cm = create_common_attn_metadata(spec, BS, torch.device("cpu"))
+        table = cm.block_table_tensor  # vLLM's helper draws ids that may collide: distinct ones
+        ids = 1 + torch.randperm(BLOCKS - 1, generator=gen)[: table.numel()]
+        table.copy_(ids.view(table.shape).to(table.dtype))
+        with set_current_vllm_config(self.config):
+            md = self.builder.build(0, cm)
+        tokens = cm.num_actual_tokens
+        q = torch.randn(tokens, H, NOPE + ROPE, generator=gen).to(DTYPE)
+        kv_c = torch.randn(tokens, RANK, generator=gen).to(DTYPE)
+        k_pe = torch.randn(tokens, 1, ROPE, generator=gen).to(DTYPE)
+        flat = self.cache.view(-1, RANK + ROPE)
+        w = self.kv_b_proj.weight.T.double().view(RANK, H, NOPE + DV)
+        w_uk, w_uv = w[..., :NOPE], w[..., NOPE:]
+        starts, want = cm.query_start_loc_cpu.tolist(), []
+        for r, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True)):
+            pos = torch.arange(s)
+            slots = cm.block_table_tensor[r, pos // BS].long() * BS + pos % BS
+            context = torch.randn(s - n, RANK + ROPE, generator=gen).to(DTYPE)
+            flat[slots[: s - n]] = context
+            cm.slot_mapping[starts[r] : starts[r + 1]] = slots[s - n :]
+            latent = torch.cat(
+                (
+                    context.double(),
+                    torch.cat((kv_c, k_pe[:, 0]), -1)[starts[r] : starts[r + 1]].double(),
+                )
+            )
+            c, pe = latent[:, :RANK], latent[:, RANK:]
+            k = torch.cat((torch.einsum("sl,lhp->shp", c, w_uk), pe[:, None].expand(-1, H, -1)), -1)
+            v = torch.einsum("sl,lhv->shv", c, w_uv)
+            scores = torch.einsum("qhd,khd->hqk", q[starts[r] : starts[r + 1]].double(), k) * SCALE
+            mask = pos[None, None, :] > torch.arange(s - n, s)[None, :, None]
+            p = scores.masked_fill(mask, float("-inf")).softmax(-1)
+            want.append(torch.einsum("hqk,khv->qhv", p, v).reshape(n, H * DV))
+        with set_forward_context(
+            {self.layer.layer_name: md},
+            self.config,
+            slot_mapping={self.layer.layer_name: cm.slot_mapping},
+        ):
+            out = self.layer(q, kv_c, k_pe, output_shape=torch.Size([tokens, H * DV]))
+        return {"out": out, "want": torch.cat(want), "md": md, "slots": cm.slot_mapping}
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model()
+
+
+def _close(out: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 activations, weights and cache (q absorbed by a bf16 bmm): within 1 % of the
+    output's largest value (~10 here) of the float64 oracle; measured up to 0.43 %."""
+    err = (out.double() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err < 0.01 * scale, f"max error {err} against the float64 oracle (max |want| {scale})"
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens"),
+    [
+        ([20, 33, 1], [1, 1, 1]),  # decodes only (one of a single token)
+        ([5, 7], [5, 7]),  # new prompts only: vLLM's prefill, no decode plan
+        ([40, 17, 9], [1, 1, 9]),  # decodes first, then a new prompt
+    ],
+)
+def test_steps_match_the_oracle(model: Model, seq_lens: list[int], query_lens: list[int]) -> None:
+    result = model.step(seq_lens, query_lens, seed=len(seq_lens))
+    _close(result["out"], result["want"])
+    md = result["md"]
+    decodes = sum(1 for n in query_lens if n == 1)
+    assert md.num_decodes == decodes
+    if decodes:
+        meta = md.decode.plan.metadata
+        assert meta.seq_lens_cpu.tolist() == seq_lens[:decodes]
+        assert bool((meta.slot_mapping == -1).all())  # vLLM wrote the latents itself
+    else:
+        assert md.decode is None
+
+
+def test_random_steps_match_the_oracle(model: Model) -> None:
+    """Random batches: decodes over contexts crossing block boundaries, then new prompts."""
+    rng = random.Random(0)
+    for seed in range(6):
+        decodes = [rng.randint(1, 120) for _ in range(rng.randint(0, 5))]
+        prompts = [rng.randint(1, 30) for _ in range(rng.randint(0 if decodes else 1, 2))]
+        result = model.step(decodes + prompts, [1] * len(decodes) + prompts, seed)
+        _close(result["out"], result["want"])
+
+
+def test_decode_rows_run_on_the_attnsdk_backend(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode rows go through the attnsdk backend's forward, once per layer call, with
+    the latent layer and cache; a wrong answer there would show in the output."""
+    impl = model.layer.impl
+    calls: list[tuple[A.LayerSpec, A.KVCacheLayout, int]] = []
+    real = impl.backend.forward
+
+    def spy(
+        q: torch.Tensor,
+        k: Any,
+        v: Any,
+        cache: A.KVCache,
+        plan: A.Plan,
+        layer: A.LayerSpec,
+        **kw: Any,
+    ) -> torch.Tensor:
+        calls.append((layer, cache.layout, q.shape[0]))
+        return real(q, k, v, cache, plan, layer, **kw)
+
+    monkeypatch.setattr(impl.backend, "forward", spy)
+    model.step([30, 12], [1, 1], seed=7)
+    ((layer, layout, rows),) = calls
+    assert (layer.mla, layer.head_dim, layer.v_dim, layer.num_heads) == (True, 576, 512, H)
+    assert layer.softmax_scale == pytest.approx(SCALE)
+    assert (layout.mla, layout.page_size) == (True, BS)
+    assert rows == 2
+    monkeypatch.setattr(impl.backend, "forward", lambda *a, **k: torch.zeros_like(real(*a, **k)))
+    result = model.step([30, 12], [1, 1], seed=7)
+    assert (result["out"] - result["want"]).abs().max() > 0.1
+
+
+def test_backend_choice_and_refusals() -> None:
+    """vLLM's selection asks the MLA drop-in (MLA: yes) and the plain one (MLA: refused, naming
+    the class that serves it); the impl refuses what it does not map, naming the field."""
+    assert RefMLA.is_mla()
+    assert (
+        RefMLA.supports_combination(576, DTYPE, "auto", BS, True, False, False, False, None) is None
+    )
+    reasons = AttnSDKAttentionBackend.validate_configuration(576, DTYPE, "auto", BS, use_mla=True)
+    assert any("AttnSDKMLABackend" in r for r in reasons), reasons
+    impl_cls = RefMLA.get_impl_cls()
+    base = {
+        "num_heads": H, "head_size": RANK + ROPE, "scale": SCALE, "num_kv_heads": 1,
+        "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto",
+        "logits_soft_cap": None, "attn_type": "decoder", "kv_sharing_target_layer_name": None,
+        "q_lora_rank": None, "kv_lora_rank": RANK, "qk_nope_head_dim": NOPE,
+        "qk_rope_head_dim": ROPE, "qk_head_dim": NOPE + ROPE, "v_head_dim": DV,
+        "kv_b_proj": KVBProj(torch.Generator().manual_seed(0)),
+    }  # fmt: skip
+    config = create_vllm_config(model_name=MODEL, max_model_len=256, block_size=BS)
+    with set_current_vllm_config(config):
+        impl_cls(**base)
+        for field, value in (
+            ("sliding_window", 64),
+            ("kv_cache_dtype", "fp8"),
+            ("logits_soft_cap", 30.0),
+        ):
+            with pytest.raises(A.UnsupportedConfigError, match=field):
+                impl_cls(**{**base, field: value})
