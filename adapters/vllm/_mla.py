@@ -12,10 +12,10 @@ drop-in runs that on any attnsdk backend with ``Feature.MLA`` (``LayerSpec.for_m
         attnsdk_backend = "flashinfer"
 
 These classes subclass vLLM's (an MLA layer is vLLM's machinery plus ``forward_mqa``), so they
-exist only where vLLM is installed. Decode rows take one token each (vLLM's
-``QueryLenSupport.SINGLE_ONLY``: speculative verifies run as prefills); full CUDA graphs are not
-offered (plans are per step); fp8 latent caches, sliding windows, softcap, ALiBi and decode
-context parallelism are refused with the field that asks for them.
+exist only where vLLM is installed. Speculative verifies (DeepSeek's MTP) run as decode rows of
+several tokens (vLLM's ``QueryLenSupport.VARLEN``); full CUDA graphs are not offered (plans are
+per step); fp8 latent caches, sliding windows, softcap, ALiBi and decode context parallelism
+are refused with the field that asks for them.
 """
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ class AttnSDKMLAMetadataBuilderBase:
 
     vLLM's builder splits the batch (decode rows first) and builds its own prefill metadata;
     ``build`` then plans the decode rows and hands the plan to every layer in
-    ``metadata.decode.plan``."""
+    ``metadata.decode.plan``. ``query_len_support`` is vLLM's ``VARLEN``: with speculative
+    decoding, vLLM raises ``reorder_batch_threshold`` to the verify length, and a request of up
+    to that many new tokens is a decode row (attnsdk's MLA decode is causal over any query
+    length); otherwise decode rows are single tokens."""
 
     attnsdk_backend: ClassVar[BackendSpec] = None
     adapter: ClassVar[VLLMAdapter] = VLLMAdapter()
@@ -327,6 +330,7 @@ def vllm_mla_classes() -> tuple[type, type, type]:
         where,
         (_MLA_MODULE, "MLACommonMetadataBuilder"),
         decode_cls=decode_cls,
+        query_len_support=machinery.QueryLenSupport.VARLEN,
     )
     backend = drop_in_class(
         AttnSDKMLABackendBase,

@@ -64,7 +64,7 @@ class KVBProj(torch.nn.Module):
 class Model:
     """One MLA layer with its cache, bound the way vLLM's worker binds it."""
 
-    def __init__(self, backend: type = RefMLA) -> None:
+    def __init__(self, backend: type = RefMLA, decode_query_len: int = 1) -> None:
         self.config = create_vllm_config(
             model_name=MODEL, max_model_len=256, block_size=BS, num_gpu_blocks=BLOCKS
         )
@@ -90,6 +90,9 @@ class Model:
             self.builder = backend.get_builder_cls()(
                 spec, [self.layer.layer_name], self.config, torch.device("cpu")
             )
+        # What vLLM's _init_reorder_batch_threshold sets for a VARLEN builder with
+        # decode_query_len - 1 speculative tokens: requests of up to that many new tokens decode.
+        self.builder.reorder_batch_threshold = decode_query_len
 
     @property
     def cache(self) -> torch.Tensor:
@@ -249,3 +252,25 @@ def test_backend_choice_and_refusals() -> None:
         ):
             with pytest.raises(A.UnsupportedConfigError, match=field):
                 impl_cls(**{**base, field: value})
+
+
+def test_speculative_verifies_run_as_decode_rows() -> None:
+    """With speculative decoding (3 draft tokens: vLLM's threshold 4) a request of up to 4 new
+    tokens, a verify or a short prompt, is a decode row: causal over the latent cache, bottom-
+    right aligned, through the attnsdk backend; longer prompts stay vLLM's prefill."""
+    model = Model(decode_query_len=4)
+    seq_lens, query_lens = [40, 17, 25, 3, 9], [4, 1, 3, 3, 9]
+    result = model.step(seq_lens, query_lens, seed=11)
+    _close(result["out"], result["want"])
+    md = result["md"]
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (4, 11, 1)
+    meta = md.decode.plan.metadata
+    assert meta.query_lens_cpu.tolist() == [4, 1, 3, 3]
+    assert meta.seq_lens_cpu.tolist() == [40, 17, 25, 3]
+    rng = random.Random(1)
+    for seed in range(4):
+        n = rng.randint(1, 5)
+        decodes = [(rng.randint(4, 90), rng.randint(1, 4)) for _ in range(n)]
+        lens = [s for s, _ in decodes] + [12]
+        result = model.step(lens, [q for _, q in decodes] + [12], seed)
+        _close(result["out"], result["want"])
