@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from attnsdk._backend import Plan, check_forward_args
+from attnsdk._backend import Plan, check_forward_args, check_plan
 from attnsdk._capabilities import (
     Capabilities,
     Reason,
@@ -43,7 +43,13 @@ from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphHooks
 from attnsdk._kv import KVCacheLayout, mla_value
 from attnsdk._layer import LayerSpec
-from attnsdk._ragged import check_ragged_args, key_starts, ragged_capability_reasons
+from attnsdk._ragged import (
+    RaggedStep,
+    check_ragged_args,
+    clear_keyless_rows,
+    ragged_capability_reasons,
+    ragged_step,
+)
 from attnsdk._tree import tree_reasons
 from attnsdk._validate import check_metadata
 from attnsdk._warmup import warm_up
@@ -56,6 +62,10 @@ if TYPE_CHECKING:
     from attnsdk._metadata import AttentionMetadata
 
 __all__ = ["BackendBase", "BackendClass", "NoOptions", "lse_reasons_of"]
+
+_RAGGED_STEPS = 8
+"""Ragged plans whose ``RaggedStep`` a backend keeps: SGLang's chunked prefix uses one per
+prefix chunk in turn, every layer."""
 
 
 class NoOptions(BaseModel):
@@ -114,9 +124,11 @@ class BackendBase(GraphHooks):
             )
         self.options = options if options is not None else self.Options()
         self._layer_states: dict[tuple[LayerSpec, KVCacheLayout], Any] = {}
-        self._ragged_served: set[tuple[LayerSpec, torch.dtype, torch.device]] = set()
-        """(layer, dtype, device) that ``ragged_reasons`` passed: asked once, not per call
-        (FlashInfer's check looks up its package, ~tens of µs)."""
+        self._ragged_served: set[tuple[LayerSpec, torch.dtype, torch.device, bool, bool]] = set()
+        """(layer, dtype, device, lse asked, cross-attention) that every ragged check passed:
+        asked once, not per call (FlashInfer's check looks up its package, ~tens of µs)."""
+        self._ragged_steps: dict[int, tuple[AttentionMetadata, RaggedStep]] = {}
+        """id(metadata) -> (metadata, its RaggedStep), the last ``_RAGGED_STEPS`` plans'."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -345,32 +357,50 @@ class BackendBase(GraphHooks):
         ``plan`` comes from ``plan(meta)``, typically of ``AttentionMetadata.for_ragged``;
         sinks, out and lse as in ``forward``. Returns (T, Hq, Dv) in q's dtype.
         """
-        check_ragged_args(q, k, v, plan, layer, sinks=sinks, out=out, lse=lse)
-        reasons: list[Reason] = []
-        served = (layer, q.dtype, q.device)
+        check_plan(plan)
+        step = self._ragged_step(plan)
+        check_ragged_args(q, k, v, plan, layer, sinks=sinks, out=out, lse=lse, keys=step.keys)
+        cross = plan.metadata.cross_attention
+        served = (layer, q.dtype, q.device, lse is not None, cross)
         if served not in self._ragged_served:
             reasons = self.ragged_reasons(layer, q.device)
             if q.dtype not in self.capabilities.dtypes:
                 reasons.append(
                     Reason(ReasonKind.CONFIGURATION, "q.dtype", f"unsupported: {q.dtype}")
                 )
-            if not reasons:
-                self._ragged_served.add(served)
-        if lse is not None:
-            reasons += lse_capability_reasons(self.capabilities)
-        if plan.metadata.cross_attention:
-            reasons += cross_reasons(layer)
-        if reasons:
-            raise UnsupportedConfigError(
-                f"the {self.name} backend cannot run this layer ragged:", sorted(set(reasons))
-            )
+            if lse is not None:
+                reasons += lse_capability_reasons(self.capabilities)
+            if cross:
+                reasons += cross_reasons(layer)
+            if reasons:
+                raise UnsupportedConfigError(
+                    f"the {self.name} backend cannot run this layer ragged:", sorted(set(reasons))
+                )
+            self._ragged_served.add(served)
         if out is None:
             out = torch.empty(
                 q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
             )
-        return self.attend_ragged(
-            q, k, v, plan, layer, key_starts(plan.metadata), sinks=sinks, out=out, lse=lse
+        result = self.attend_ragged(
+            q, k, v, plan, layer, step.key_start_loc, sinks=sinks, out=out, lse=lse
         )
+        clear_keyless_rows(step.keyless, sinks, result, lse)
+        return result
+
+    def _ragged_step(self, plan: Plan) -> RaggedStep:
+        """``plan``'s ``RaggedStep``, read from its metadata's host twins on the first ragged
+        call only (every layer of a step shares it; SGLang's chunked prefix uses several plans
+        in turn, so a few are kept). Keyed by the metadata, which is all it depends on: the
+        plans themselves are not kept alive (flashinfer frees a dropped plan's wrappers)."""
+        meta = plan.metadata
+        hit = self._ragged_steps.get(id(meta))
+        if hit is not None and hit[0] is meta:
+            return hit[1]
+        step = ragged_step(meta)
+        if len(self._ragged_steps) >= _RAGGED_STEPS:
+            del self._ragged_steps[next(iter(self._ragged_steps))]
+        self._ragged_steps[id(meta)] = (meta, step)
+        return step
 
     def ragged_reasons(self, layer: LayerSpec, device: torch.device | str | None) -> list[Reason]:
         """Why ``forward_ragged`` cannot run ``layer`` on ``device``; [] when it can. Default:
@@ -392,7 +422,8 @@ class BackendBase(GraphHooks):
     ) -> torch.Tensor:
         """Hook of a backend declaring ``Feature.RAGGED``: the attention of ``forward_ragged``
         into ``out`` (and ``lse``), every argument checked; ``key_start_loc`` (B + 1,) int32
-        on the device says where each sequence's keys start in k / v."""
+        on the device says where each sequence's keys start in k / v. Rows of sequences with
+        queries and no keys may hold anything: ``forward_ragged`` sets them afterwards."""
         raise NotImplementedError(f"{type(self).__name__} declares no ragged attention")
 
     def lse_reasons(

@@ -159,7 +159,7 @@ class DebugBackend:
         kwargs = {"sinks": sinks, "out": out, "lse": lse}
         if _capturing():
             return inner(q, k, v, plan, layer, **kwargs)
-        check_ragged_args(q, k, v, plan, layer, **kwargs)
+        check_ragged_args(q, k, v, plan, layer, sinks=sinks, out=out, lse=lse)
         meta = plan.metadata
         if self._validated_ragged is not plan:
             validate_metadata(meta, None)

@@ -21,6 +21,7 @@ them to one part only. ``AttentionMetadata.for_ragged`` builds such a step. Tree
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,10 +41,12 @@ if TYPE_CHECKING:
     from attnsdk._metadata import AttentionMetadata
 
 __all__ = [
+    "RaggedStep",
     "check_ragged_args",
     "clear_keyless_rows",
     "key_starts",
     "ragged_capability_reasons",
+    "ragged_step",
 ]
 
 _CFG = ReasonKind.CONFIGURATION
@@ -82,12 +85,13 @@ def check_ragged_args(
     sinks: torch.Tensor | None,
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
+    keys: int | None = None,
 ) -> None:
     """Host-only checks of ``forward_ragged``'s arguments (shape, dtype, device); no sync.
 
     q (T, Hq, D), k (Tk, Hkv, D) and v (Tk, Hkv, Dv) share a dtype and a device, with
-    Tk >= sum(seq_lens); ``out`` (T, Hq, Dv), ``lse`` (T, Hq) fp32 contiguous, ``sinks`` (Hq,)
-    fp32 when ``layer.has_sinks``.
+    Tk >= sum(seq_lens) (``keys`` when the caller has it: ``RaggedStep.keys``); ``out``
+    (T, Hq, Dv), ``lse`` (T, Hq) fp32 contiguous, ``sinks`` (Hq,) fp32 when ``layer.has_sinks``.
     """
     check_plan(plan)
     if not isinstance(layer, LayerSpec):
@@ -112,7 +116,8 @@ def check_ragged_args(
     if rows < meta.num_tokens:
         raise InvalidInputError("q.shape[0]", f">= num_tokens={meta.num_tokens}", rows)
     check_tensor("k", k, (None, hkv, d), dtype, device, **_Q)
-    keys = int(meta.seq_lens_cpu.sum())
+    if keys is None:
+        keys = int(meta.seq_lens_cpu.sum())
     if k.shape[0] < keys:
         raise InvalidInputError("k.shape[0]", f">= sum(seq_lens)={keys}", k.shape[0])
     check_tensor("v", v, (k.shape[0], hkv, dv), dtype, device, **_Q)
@@ -149,19 +154,37 @@ def key_starts(meta: AttentionMetadata) -> torch.Tensor:
     return starts
 
 
+@dataclass(frozen=True, slots=True)
+class RaggedStep:
+    """What every layer's ``forward_ragged`` with one plan shares, read once from the host
+    twins (``ragged_step``): the per-call host work stays off the kernels' critical path."""
+
+    keys: int
+    """sum(seq_lens): the key rows k and v must hold."""
+    key_start_loc: torch.Tensor
+    """(B + 1,) int32 on the device: ``key_starts(meta)``."""
+    keyless: tuple[tuple[int, int], ...]
+    """Query row ranges of sequences with queries and no keys (an empty prefix chunk)."""
+
+
+def ragged_step(meta: AttentionMetadata) -> RaggedStep:
+    """``RaggedStep`` of a ragged step's metadata; no device sync."""
+    qsl = meta.query_start_loc_cpu
+    keyless = (meta.seq_lens_cpu == 0) & (qsl[1:] > qsl[:-1])
+    rows = tuple((int(qsl[b]), int(qsl[b + 1])) for b in torch.nonzero(keyless).flatten().tolist())
+    return RaggedStep(int(meta.seq_lens_cpu.sum()), key_starts(meta), rows)
+
+
 def clear_keyless_rows(
-    meta: AttentionMetadata,
+    keyless: tuple[tuple[int, int], ...],
     sinks: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor | None,
 ) -> None:
-    """Rows of sequences with queries and no keys (an empty prefix chunk): zeros, and the
-    sink's logit (or -inf) as their log-sum-exp, whatever a kernel wrote there. Found on the
-    host twins: no sync; a loop only over such sequences."""
-    qsl = meta.query_start_loc_cpu
-    keyless = (meta.seq_lens_cpu == 0) & (qsl[1:] > qsl[:-1])
-    for b in torch.nonzero(keyless).flatten().tolist():
-        q0, q1 = int(qsl[b]), int(qsl[b + 1])
+    """Rows of sequences with queries and no keys (``RaggedStep.keyless``): zeros, and the
+    sink's logit (or -inf) as their log-sum-exp, whatever a kernel wrote there. A loop only
+    over such sequences; nothing at all in a step without them."""
+    for q0, q1 in keyless:
         out[q0:q1] = 0
         if lse is not None:
             lse[q0:q1] = float("-inf") if sinks is None else sinks.float()

@@ -58,7 +58,6 @@ from attnsdk._chunked import check_capture, chunk_reasons, prepared_chunks, virt
 from attnsdk._errors import UnsupportedConfigError
 from attnsdk._kv import KVOrder
 from attnsdk._merge import merge_states
-from attnsdk._ragged import clear_keyless_rows
 from attnsdk._tree import TreePasses, token_pool, tree_passes
 from attnsdk.backends._fa3_kernels import (
     INSTALL_COMMAND,
@@ -160,6 +159,8 @@ class FA3Backend(DeviceStoreBackend):
     def __init__(self, options: FA3Options | None = None) -> None:
         super().__init__(options)
         self._kernel: KernelCall = load_kernel(self.options.provider)
+        self._ragged_v_pad: dict[LayerSpec, int] = {}
+        """Layer -> the zero columns its V gets in a ragged call on this build (0: none)."""
         wanted = self.options.precompute_scheduler
         self._precompute = self._kernel.scheduler is not None and wanted is not False
         if wanted and self._kernel.scheduler is None:
@@ -373,10 +374,13 @@ class FA3Backend(DeviceStoreBackend):
     ) -> torch.Tensor:
         """One varlen launch over dense K/V (``flash_attn_varlen_func``'s form of the op).
         V narrower than K on a build without that pair's kernels is zero-padded to K's width
-        (``_ragged_layer``) and the output sliced back. Query rows of a sequence without keys
-        (an empty prefix chunk) are set here: FA3's values there are not specified."""
+        (``_ragged_layer``) and the output sliced back."""
         meta = plan.metadata
-        pad = _ragged_layer(layer, build_flags()).v_dim - layer.v_dim
+        pad = self._ragged_v_pad.get(layer)
+        if pad is None:
+            pad = self._ragged_v_pad[layer] = (
+                _ragged_layer(layer, build_flags()).v_dim - layer.v_dim
+            )
         dest = out
         if out.stride(-1) != 1 or pad:
             out = torch.empty(
@@ -414,8 +418,6 @@ class FA3Backend(DeviceStoreBackend):
             cu_seqlens_k=key_start_loc,
             max_seqlen_k=meta.max_seq_len,
         )
-        if meta.cross_attention:
-            clear_keyless_rows(meta, sinks, out, lse)
         return out if dest is out else dest.copy_(out[..., : layer.v_dim])
 
     def _attend_tree(

@@ -67,7 +67,6 @@ from attnsdk._device import compute_capability
 from attnsdk._errors import BackendUnavailableError, InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphBuffers
 from attnsdk._kv import KVOrder
-from attnsdk._ragged import clear_keyless_rows
 from attnsdk.backends._flashinfer_csr import PagedCSR, build_csr, gather_indices
 from attnsdk.backends._gpu import DeviceStoreBackend, mla_kernel_reasons, module_present
 
@@ -868,8 +867,6 @@ class FlashInferBackend(DeviceStoreBackend):
         wrapper.run(q, k, v, out=o, **with_lse)
         if lse_rows is not None:
             lse_rows.mul_(_LN2)
-        if meta.cross_attention:
-            clear_keyless_rows(meta, sinks, o, lse_rows)
         if o is not dest:
             dest.copy_(o)
         return out

@@ -305,3 +305,37 @@ def test_debug_mode_refuses_ragged_on_a_backend_without_it() -> None:
             reference.plan(A.AttentionMetadata.for_ragged([1], [1])),
             PREFIX,
         )
+
+
+def test_host_facts_are_read_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer of a step shares its plan's host facts (key rows, key starts, keyless rows):
+    read on the first call only, also with plans used in turn (SGLang's chunks); a new
+    metadata is read anew, and its keyless rows are its own."""
+    import attnsdk._base as base
+
+    calls: list[A.AttentionMetadata] = []
+    real = base.ragged_step
+
+    def counting(meta: A.AttentionMetadata) -> object:
+        calls.append(meta)
+        return real(meta)
+
+    monkeypatch.setattr(base, "ragged_step", counting)
+    backend = ReferenceBackend()
+    chunks = [
+        A.AttentionMetadata.for_ragged([2, 3], lens, cross_attention=True)
+        for lens in ([4, 0], [0, 5])
+    ]
+    plans = [backend.plan(meta) for meta in chunks]
+    for _ in range(3):  # layers
+        for meta, plan in zip(chunks, plans, strict=True):
+            q, k, v, _ = _inputs(PREFIX, meta, torch.float32, 0)
+            lse = torch.empty(5, PREFIX.num_heads)
+            out = backend.forward_ragged(q, k, v, plan, PREFIX, lse=lse)
+            empty, full = (
+                (slice(0, 2), slice(2, 5)) if meta is chunks[1] else (slice(2, 5), slice(0, 2))
+            )
+            assert bool((out[empty] == 0).all())
+            assert bool(torch.isneginf(lse[empty]).all())
+            assert bool(torch.isfinite(lse[full]).all())
+    assert [id(meta) for meta in calls] == [id(meta) for meta in chunks]
