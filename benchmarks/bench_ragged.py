@@ -16,7 +16,9 @@ against the bf16 matmul rate measured in the same run. The raw call is FA3's
 once, ``run`` alone); an FA3 build without the 192 x 128 kernels (FLASH_ATTENTION_DISABLE_
 HDIMDIFF192) gets V already zero-padded to 192, which the SDK pads inside its call: the
 ``raw/sdk`` ratio then charges the pad and the output slice to the SDK, and ``w/ pad`` compares
-with a raw caller doing the same (pad, call, slice into ``out``).
+with a raw caller doing the same (pad, call, slice into ``out``). ``host us`` is each call's
+host time (30 calls queued, then drained): where it nears the kernel time the call is
+host-bound and its ratio follows the host, not the kernel.
 
     python -m benchmarks.bench_ragged [--out DIR] [--backend fa3,flashinfer] [--quick]
     python -m benchmarks.bench_ragged --replot DIR/ragged.json   # the PNG again, no GPU
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 import attnsdk as A
-from attnsdk._bench import eager_us, measure_ceilings
+from attnsdk._bench import eager_us, host_us, measure_ceilings
 
 D, DV = 192, 128
 SCALE = 192**-0.5
@@ -137,6 +139,10 @@ def run_case(name: str, heads: int, b: int, n: int, kind: str, tflops: float) ->
     if raw_with_pad is not None:
         row["raw_with_pad_us"] = eager_us(raw_with_pad, "cuda")
         row["sdk_over_raw_with_pad"] = row["raw_with_pad_us"] / row["sdk_us"]
+    # Host time per call (30 calls queued, then drained): near the kernel time, a call is
+    # host-bound and its ratio follows the host's speed, not the kernel's.
+    row["sdk_host_us"] = host_us(sdk, "cuda", calls=30)
+    row["raw_host_us"] = host_us(raw_with_pad or raw, "cuda", calls=30)
     pairs = b * (n * (n + 1) // 2 if causal else n * n)
     row["flops"] = flops = 2 * pairs * heads * (D + DV)
     for who in ("sdk", "raw"):
@@ -208,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
     print(
         f"{'backend':<8} {'kind':<6} {'heads':>5} {'seqs x n':>9} {'sdk/raw us':>17} "
-        f"{'raw/sdk':>7} {'w/ pad':>6} {'sdk TF/s':>8} {'% mm':>5} {'raw % mm':>8} {'err':>7}"
+        f"{'raw/sdk':>7} {'w/ pad':>6} {'sdk TF/s':>8} {'% mm':>5} {'raw % mm':>8} "
+        f"{'host us sdk/raw':>15} {'err':>7}"
     )
     for r in rows:
         shape = f"{r['seqs']}x{r['tokens']}"
@@ -220,11 +227,12 @@ def main(argv: list[str] | None = None) -> None:
         times = f"{r['sdk_us']:.0f} / {r['raw_us']:.0f}"
         padded = r.get("sdk_over_raw_with_pad")  # only where the SDK pads V (fa3)
         padded_col = "-" if padded is None else f"{padded:.3f}"
+        host = f"{r['sdk_host_us']:.0f} / {r['raw_host_us']:.0f}"
         print(
             f"{r['backend']:<8} {r['kind']:<6} {r['heads']:>5} {shape:>9} {times:>17} "
             f"{r['sdk_over_raw']:7.3f} {padded_col:>6} "
             f"{r['sdk_tflops']:8.0f} {100 * r['sdk_frac_of_matmul']:4.0f}% "
-            f"{100 * r['raw_frac_of_matmul']:7.0f}% {r['max_abs_err']:7.1e}"
+            f"{100 * r['raw_frac_of_matmul']:7.0f}% {host:>15} {r['max_abs_err']:7.1e}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
