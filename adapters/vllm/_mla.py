@@ -14,8 +14,8 @@ drop-in runs that on any attnsdk backend with ``Feature.MLA`` (``LayerSpec.for_m
 These classes subclass vLLM's (an MLA layer is vLLM's machinery plus ``forward_mqa``), so they
 exist only where vLLM is installed. Speculative verifies (DeepSeek's MTP) run as decode rows of
 several tokens (vLLM's ``QueryLenSupport.VARLEN``); full CUDA graphs are not offered (plans are
-per step); fp8 latent caches, sliding windows, softcap, ALiBi and decode context parallelism
-are refused with the field that asks for them.
+per step); fp8 latent caches, sliding windows, softcap, ALiBi, decode and prefill context
+parallelism and adaptive verification are refused.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from attnsdk import (
 from attnsdk.adapters._common import drop_in_class, resolve_backend
 from attnsdk.adapters.vllm._adapter import VLLMAdapter
 from attnsdk.adapters.vllm._backend import VLLM_VERSIONS, VLLMCudaGraphSupport
+from attnsdk.adapters.vllm._layout import compute_dtype_by_name
 from attnsdk.adapters.vllm._resolve import BackendSpec, bind, vllm_symbol
 
 __all__ = [
@@ -88,6 +89,9 @@ class AttnSDKMLAMetadataBuilderBase:
             kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs
         )
         self.backend = resolve_backend(self.attnsdk_backend)
+        self.speculative = getattr(vllm_config, "speculative_config", None) is not None
+        """Speculative decoding is on: vLLM's host copy of ``seq_lens`` is then an upper bound
+        (every draft taken as accepted), so ``decode_metadata`` reads the exact lengths."""
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> Any:
@@ -111,9 +115,17 @@ class AttnSDKMLAMetadataBuilderBase:
         self, common_attn_metadata: Any, num_decodes: int, num_decode_tokens: int
     ) -> AttentionMetadata:
         """The step's first ``num_decodes`` requests (vLLM orders decodes first) as attnsdk
-        metadata. No slots (-1): vLLM has written their latents before ``forward_mqa``."""
+        metadata. No slots (-1): vLLM has written their latents before ``forward_mqa``.
+
+        With speculative decoding, vLLM's only host copy of ``seq_lens`` assumes every draft
+        was accepted (async scheduling, MTP draft steps), and backends plan from host lengths
+        (flashinfer's page index): the decode rows' exact lengths are copied from the device
+        then, one sync per step, as vLLM's own FlashInfer backend does."""
         meta = self.adapter.build_metadata(common_attn_metadata)
         b = num_decodes
+        host_lens = meta.seq_lens_cpu[:b]
+        if self.speculative:
+            host_lens = meta.seq_lens[:b].to("cpu", torch.int32)
         if int(meta.query_start_loc_cpu[b]) != num_decode_tokens:
             raise InvalidMetadataError(
                 "num_decode_tokens",
@@ -129,7 +141,7 @@ class AttnSDKMLAMetadataBuilderBase:
                 (num_decode_tokens,), -1, dtype=torch.int64, device=meta.device
             ),
             query_start_loc_cpu=meta.query_start_loc_cpu[: b + 1],
-            seq_lens_cpu=meta.seq_lens_cpu[:b],
+            seq_lens_cpu=host_lens,
         )
 
 
@@ -140,6 +152,9 @@ class AttnSDKMLAImplBase:
     own code, unchanged."""
 
     attnsdk_backend: ClassVar[BackendSpec] = None
+    supports_pcp: ClassVar[bool] = False
+    """Prefill context parallelism changes vLLM's decode split and shards decodes across
+    ranks: not mapped."""
 
     def __init__(
         self,
@@ -252,6 +267,12 @@ class AttnSDKMLABackendBase:
         return "CUSTOM"
 
     @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        """False: the decode plan reads host query lengths (adaptive verification trims
+        drafts on the device only)."""
+        return False
+
+    @classmethod
     def get_impl_cls(cls) -> type:
         return bind(cls.impl_cls, cls.attnsdk_backend)
 
@@ -298,6 +319,12 @@ class AttnSDKMLABackendBase:
         reasons = [str(r) for r in backend.unsupported_reasons(layer, layout, device)]
         if has_sink or use_sparse or use_mm_prefix:
             reasons.append("sinks, sparse MLA and multimodal prefixes are not served")
+        compute = compute_dtype_by_name(kv_cache_dtype)
+        if compute is not None and compute != dtype:
+            reasons.append(
+                f"kv_cache_dtype {kv_cache_dtype!r} with a {dtype} model: the latent cache is "
+                "in the model dtype"
+            )
         return "; ".join(reasons) or None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -64,10 +65,19 @@ class KVBProj(torch.nn.Module):
 class Model:
     """One MLA layer with its cache, bound the way vLLM's worker binds it."""
 
-    def __init__(self, backend: type = RefMLA, decode_query_len: int = 1) -> None:
+    def __init__(self, backend: type = RefMLA, speculative_tokens: int = 0) -> None:
         self.config = create_vllm_config(
             model_name=MODEL, max_model_len=256, block_size=BS, num_gpu_blocks=BLOCKS
         )
+        if speculative_tokens:
+            # The fields vLLM's builders read of a SpeculativeConfig (MTP drafts; a full one
+            # needs the draft model's config).
+            self.config.speculative_config = SimpleNamespace(
+                num_speculative_tokens=speculative_tokens,
+                max_num_new_slots_for_drafting=0,
+                parallel_drafting=False,
+                method="mtp",
+            )
         gen = torch.Generator().manual_seed(0)
         self.kv_b_proj = KVBProj(gen)
         with set_current_vllm_config(self.config), model_dtype():
@@ -90,9 +100,6 @@ class Model:
             self.builder = backend.get_builder_cls()(
                 spec, [self.layer.layer_name], self.config, torch.device("cpu")
             )
-        # What vLLM's _init_reorder_batch_threshold sets for a VARLEN builder with
-        # decode_query_len - 1 speculative tokens: requests of up to that many new tokens decode.
-        self.builder.reorder_batch_threshold = decode_query_len
 
     @property
     def cache(self) -> torch.Tensor:
@@ -233,6 +240,11 @@ def test_backend_choice_and_refusals() -> None:
     )
     reasons = AttnSDKAttentionBackend.validate_configuration(576, DTYPE, "auto", BS, use_mla=True)
     assert any("AttnSDKMLABackend" in r for r in reasons), reasons
+    assert not RefMLA.supports_device_cpu_query_lens_mismatch()  # adaptive verification
+    assert not RefMLA.get_impl_cls().supports_pcp
+    mixed = RefMLA.supports_combination(576, DTYPE, "float16", BS, True, False, False, False, None)
+    assert mixed is not None
+    assert "float16" in mixed
     impl_cls = RefMLA.get_impl_cls()
     base = {
         "num_heads": H, "head_size": RANK + ROPE, "scale": SCALE, "num_kv_heads": 1,
@@ -255,10 +267,12 @@ def test_backend_choice_and_refusals() -> None:
 
 
 def test_speculative_verifies_run_as_decode_rows() -> None:
-    """With speculative decoding (3 draft tokens: vLLM's threshold 4) a request of up to 4 new
-    tokens, a verify or a short prompt, is a decode row: causal over the latent cache, bottom-
-    right aligned, through the attnsdk backend; longer prompts stay vLLM's prefill."""
-    model = Model(decode_query_len=4)
+    """With speculative decoding (3 MTP drafts) vLLM itself raises the builder's threshold to
+    the verify length (4): a request of up to 4 new tokens, a verify or a short prompt, is a
+    decode row, causal over the latent cache, bottom-right aligned, through the attnsdk
+    backend; longer prompts stay vLLM's prefill."""
+    model = Model(speculative_tokens=3)
+    assert model.builder.reorder_batch_threshold == 4
     seq_lens, query_lens = [40, 17, 25, 3, 9], [4, 1, 3, 3, 9]
     result = model.step(seq_lens, query_lens, seed=11)
     _close(result["out"], result["want"])
@@ -274,3 +288,19 @@ def test_speculative_verifies_run_as_decode_rows() -> None:
         lens = [s for s, _ in decodes] + [12]
         result = model.step(lens, [q for _, q in decodes] + [12], seed)
         _close(result["out"], result["want"])
+
+
+def test_speculative_steps_plan_from_exact_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the adapter's host copy of seq_lens is vLLM's ``seq_lens_cpu_upper_bound``,
+    which takes every draft as accepted. Under speculative decoding the decode plan reads the
+    exact lengths instead (host-planning backends would attend past them)."""
+    from attnsdk.adapters.vllm import VLLMAdapter
+
+    def upper_bound(self: VLLMAdapter, cm: Any, num_reqs: int) -> torch.Tensor:
+        return cm.seq_lens[:num_reqs] + 2  # two drafts that the device lengths rejected
+
+    monkeypatch.setattr(VLLMAdapter, "host_seq_lens", upper_bound)
+    model = Model(speculative_tokens=3)
+    result = model.step([40, 17, 9], [4, 1, 9], seed=5)
+    assert result["md"].decode.plan.metadata.seq_lens_cpu.tolist() == [40, 17]
+    _close(result["out"], result["want"])
