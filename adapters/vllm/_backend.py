@@ -148,8 +148,7 @@ class AttnSDKMetadataBuilderBase:
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> Any:
         """NEVER for full graphs: plans are per-step objects; piecewise graphs work (see docs)."""
-        enum_cls = vllm_symbol("AttentionCGSupport")
-        return VLLMCudaGraphSupport.NEVER if enum_cls is None else enum_cls.NEVER
+        return no_full_graphs()
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
@@ -253,10 +252,7 @@ class AttnSDKAttentionBackendBase:
 
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec: Any = None) -> list[Any]:
-        caps = _backend(cls).capabilities
-        multiple_of = vllm_symbol("MultipleOf")
-        base = caps.page_size_multiple
-        return [multiple_of(base)] if multiple_of is not None else [base]
+        return kernel_block_sizes(_backend(cls))
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -322,10 +318,7 @@ class AttnSDKAttentionBackendBase:
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
-        caps = _backend(cls).capabilities
-        cc = (capability.major, capability.minor)
-        low, high = caps.min_compute_capability, caps.max_compute_capability
-        return (low is None or cc >= low) and (high is None or cc <= high)
+        return serves_compute_capability(_backend(cls), capability)
 
     @classmethod
     def is_mla(cls) -> bool:
@@ -456,6 +449,30 @@ class AttnSDKAttentionBackendBase:
 
 def _backend(cls: type[AttnSDKAttentionBackendBase]) -> Backend:
     return resolve_backend(cls.attnsdk_backend)
+
+
+# What both drop-ins (this one and the MLA one, _mla.py) tell vLLM from the attnsdk backend.
+
+
+def no_full_graphs() -> Any:
+    """vLLM's ``AttentionCGSupport.NEVER`` (full graphs would bake one step's plan in)."""
+    enum_cls = vllm_symbol("AttentionCGSupport")
+    return VLLMCudaGraphSupport.NEVER if enum_cls is None else enum_cls.NEVER
+
+
+def kernel_block_sizes(backend: Backend) -> list[Any]:
+    """vLLM's block sizes for ``backend``: multiples of its page-size multiple."""
+    multiple_of = vllm_symbol("MultipleOf")
+    base = backend.capabilities.page_size_multiple
+    return [multiple_of(base)] if multiple_of is not None else [base]
+
+
+def serves_compute_capability(backend: Backend, capability: Any) -> bool:
+    """Whether ``capability`` (vLLM's ``DeviceCapability``) is in ``backend``'s range."""
+    caps = backend.capabilities
+    cc = (capability.major, capability.minor)
+    low, high = caps.min_compute_capability, caps.max_compute_capability
+    return (low is None or cc >= low) and (high is None or cc <= high)
 
 
 @functools.cache

@@ -41,9 +41,14 @@ from attnsdk import (
 )
 from attnsdk.adapters._common import drop_in_class, resolve_backend
 from attnsdk.adapters.vllm._adapter import VLLMAdapter
-from attnsdk.adapters.vllm._backend import VLLM_VERSIONS, VLLMCudaGraphSupport
+from attnsdk.adapters.vllm._backend import (
+    VLLM_VERSIONS,
+    kernel_block_sizes,
+    no_full_graphs,
+    serves_compute_capability,
+)
 from attnsdk.adapters.vllm._layout import compute_dtype_by_name
-from attnsdk.adapters.vllm._resolve import BackendSpec, bind, vllm_symbol
+from attnsdk.adapters.vllm._resolve import BackendSpec, bind
 
 __all__ = [
     "AttnSDKMLABackendBase",
@@ -96,8 +101,7 @@ class AttnSDKMLAMetadataBuilderBase:
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> Any:
         """NEVER for full graphs: plans are per-step objects; piecewise graphs work."""
-        enum_cls = vllm_symbol("AttentionCGSupport")
-        return VLLMCudaGraphSupport.NEVER if enum_cls is None else enum_cls.NEVER
+        return no_full_graphs()
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
@@ -282,17 +286,11 @@ class AttnSDKMLABackendBase:
 
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec: Any = None) -> list[Any]:
-        caps = resolve_backend(cls.attnsdk_backend).capabilities
-        multiple_of = vllm_symbol("MultipleOf")
-        base = caps.page_size_multiple
-        return [multiple_of(base)] if multiple_of is not None else [base]
+        return kernel_block_sizes(resolve_backend(cls.attnsdk_backend))
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
-        caps = resolve_backend(cls.attnsdk_backend).capabilities
-        cc = (capability.major, capability.minor)
-        low, high = caps.min_compute_capability, caps.max_compute_capability
-        return (low is None or cc >= low) and (high is None or cc <= high)
+        return serves_compute_capability(resolve_backend(cls.attnsdk_backend), capability)
 
     @classmethod
     def supports_combination(
