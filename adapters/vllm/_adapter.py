@@ -19,7 +19,10 @@ backend reads or writes anything for them.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import numbers
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -133,10 +136,9 @@ class VLLMAdapter:
 
         ``seq_lens`` itself when it lives on the CPU, else ``seq_lens_cpu_upper_bound`` (the
         only host copy vLLM 0.33+ keeps). It is exact except for async speculative-decoding
-        rows, where vLLM assumes every draft was accepted: device ``seq_lens`` stay exact, so
-        kernels that take device lengths (fa3) are right, but a backend that loops over host
-        lengths (reference) would read too far; override this hook to sync then. Two vLLM
-        paths leave it unset (DFlash graph capture and one model path): they raise.
+        rows, where vLLM assumes every draft was accepted: the builders then replace it with
+        ``with_exact_seq_lens``. Two vLLM paths leave it unset (DFlash graph capture and one
+        model path): they raise.
         """
         seq_lens = _tensor_field(cm, "seq_lens")
         if seq_lens.device.type == "cpu":
@@ -158,6 +160,18 @@ class VLLMAdapter:
                 tuple(host.shape),
             )
         return host[:num_reqs]
+
+    def with_exact_seq_lens(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """``meta`` with its host ``seq_lens`` copied from the device (one sync; vLLM's sync
+        check is told it is expected). The builders call it under speculative decoding, where
+        ``seq_lens_cpu_upper_bound`` takes every draft as accepted and backends that plan from
+        host lengths (flashinfer's page index, chunked virtual batches, the reference) would
+        read past the accepted tokens, as vLLM's own FlashInfer backend does."""
+        with _sync_allowed():
+            exact = meta.seq_lens.to("cpu", torch.int32)
+        return dataclasses.replace(
+            meta, seq_lens_cpu=exact, max_seq_len=int(exact.max()) if exact.numel() else 0
+        )
 
     def causal(self, cm: Any) -> bool:
         """The step's ``causal`` flag (a bool, or a host bool tensor that must be uniform)."""
@@ -279,3 +293,10 @@ def _host_tensor(name: str, value: Any) -> torch.Tensor:
     if not is_int_tensor(value):
         raise InvalidMetadataError(name, "integers", value.dtype)
     return value
+
+
+def _sync_allowed() -> contextlib.AbstractContextManager[Any]:
+    """vLLM's ``gpu_sync_allowed()`` (its GPU-sync debug check) where it exists, else nothing."""
+    module = sys.modules.get("vllm.utils.gpu_sync_debug")
+    allowed = getattr(module, "gpu_sync_allowed", None)
+    return allowed() if allowed is not None else contextlib.nullcontext()

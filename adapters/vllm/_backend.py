@@ -144,6 +144,9 @@ class AttnSDKMetadataBuilderBase:
         self.cross = type(kv_cache_spec).__name__ == "CrossAttentionSpec"
         """The builder of cross-attention layers (vLLM's ``CrossAttentionBuilder`` subclasses
         this class): its steps read the encoder's keys, ``seq_lens`` being their lengths."""
+        self.speculative = getattr(vllm_config, "speculative_config", None) is not None
+        """Speculative decoding: vLLM's host ``seq_lens`` is an upper bound, so each step
+        reads the exact lengths (``VLLMAdapter.with_exact_seq_lens``, one sync)."""
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> Any:
@@ -155,6 +158,8 @@ class AttnSDKMetadataBuilderBase:
     ) -> VLLMAttentionMetadata:
         """Plan the step (``common_prefix_len`` is always 0 in vLLM 0.33+: no cascade)."""
         meta = self._no_writes(self.adapter.build_metadata(common_attn_metadata))
+        if self.speculative:
+            meta = self.adapter.with_exact_seq_lens(meta)
         if self.cross:
             meta = dataclasses.replace(meta, cross_attention=True)
         return VLLMAttentionMetadata(

@@ -123,13 +123,12 @@ class AttnSDKMLAMetadataBuilderBase:
 
         With speculative decoding, vLLM's only host copy of ``seq_lens`` assumes every draft
         was accepted (async scheduling, MTP draft steps), and backends plan from host lengths
-        (flashinfer's page index): the decode rows' exact lengths are copied from the device
-        then, one sync per step, as vLLM's own FlashInfer backend does."""
+        (flashinfer's page index): the exact lengths are copied from the device then
+        (``VLLMAdapter.with_exact_seq_lens``, one sync per step)."""
         meta = self.adapter.build_metadata(common_attn_metadata)
-        b = num_decodes
-        host_lens = meta.seq_lens_cpu[:b]
         if self.speculative:
-            host_lens = meta.seq_lens[:b].to("cpu", torch.int32)
+            meta = self.adapter.with_exact_seq_lens(meta)
+        b = num_decodes
         if int(meta.query_start_loc_cpu[b]) != num_decode_tokens:
             raise InvalidMetadataError(
                 "num_decode_tokens",
@@ -145,7 +144,7 @@ class AttnSDKMLAMetadataBuilderBase:
                 (num_decode_tokens,), -1, dtype=torch.int64, device=meta.device
             ),
             query_start_loc_cpu=meta.query_start_loc_cpu[: b + 1],
-            seq_lens_cpu=host_lens,
+            seq_lens_cpu=meta.seq_lens_cpu[:b],
         )
 
 

@@ -273,3 +273,26 @@ def test_the_mla_drop_in_without_vllm_names_what_is_missing() -> None:
     with pytest.raises(BackendUnavailableError, match="mla_attention") as err:
         vllm_adapter.AttnSDKMLABackend  # noqa: B018
     assert err.value.install_command == "pip install vllm"
+
+
+def test_speculative_steps_plan_from_exact_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the adapter's host seq_lens is vLLM's ``seq_lens_cpu_upper_bound``, which takes
+    every draft as accepted. With a ``speculative_config`` the builder plans from the exact
+    (device) lengths, so host-planning backends attend over the accepted tokens only."""
+    from types import SimpleNamespace
+
+    from attnsdk.adapters.vllm import VLLMAdapter
+
+    def upper_bound(self: VLLMAdapter, cm: object, num_reqs: int) -> torch.Tensor:
+        return cm.seq_lens[:num_reqs] + 2  # type: ignore[attr-defined]  # two rejected drafts
+
+    monkeypatch.setattr(VLLMAdapter, "host_seq_lens", upper_bound)
+    batch = mock_vllm_batch(VLLM_BATCH_SPECS["small_decode"], num_heads=4, num_kv_heads=2)
+    cm = batch.common_attn_metadata
+    exact = cm.seq_lens.tolist()
+    cm.max_seq_len = max(exact) + 2  # vLLM derives it from the same host bound
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=2))
+    builder = RefBackend.get_builder_cls()(None, ["l"], config, torch.device("cpu"))
+    meta = builder.build(0, cm).metadata
+    assert meta.seq_lens_cpu.tolist() == exact
+    assert meta.max_seq_len == max(exact)
