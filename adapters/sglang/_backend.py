@@ -116,6 +116,8 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         self._ragged: tuple[Plan | None, dict[tuple[object, ...], Plan]] = (None, {})
         """The step plan the ragged plans below belong to, and those plans by kind of call."""
         self._layers = LayerState()
+        self._mha_specs: dict[tuple[object, ...], LayerSpec] = {}
+        """The expanded-prefill layers' specs by ``_shape``, sinks and prefix-chunk flag."""
         self._graph = None
         self._graph_plans = {}
 
@@ -332,9 +334,14 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         if ragged is None:
             meta = self._adapter().mha_metadata(fb, plan.metadata)
             ragged = plans[kind] = self.backend.plan(meta)
-        spec = self.adapter.layer_spec(layer, has_sinks=sinks is not None)
-        if ragged.metadata.cross_attention:  # a prefix chunk: every key is before the queries
-            spec = dataclasses.replace(spec, causal=False)
+        cross = ragged.metadata.cross_attention
+        key = (*_shape(layer), sinks is not None, cross)
+        spec = self._mha_specs.get(key)
+        if spec is None:  # built once per layer shape, not per call (it validates)
+            spec = self.adapter.layer_spec(layer, has_sinks=sinks is not None)
+            if cross:  # a prefix chunk: every key is before the queries
+                spec = dataclasses.replace(spec, causal=False)
+            self._mha_specs[key] = spec
         forward_ragged = getattr(self.backend, "forward_ragged", None)
         if forward_ragged is None:
             refuse(where, "backend", f"{self.backend.name!r} has no forward_ragged")
@@ -365,15 +372,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             k_buf.dtype,
             dtype,
             sinks,
-            layer.tp_q_head_num,
-            layer.tp_k_head_num,
-            layer.head_dim,
-            layer.v_head_dim,
-            layer.scaling,
-            layer.sliding_window_size,
-            layer.logit_cap,
-            layer.attn_type,
-            getattr(layer, "use_irope", False),
+            *_shape(layer),
         )
 
         def build() -> LayerEntry:
@@ -524,4 +523,21 @@ def sglang_backend_class() -> type[SGLangAttentionBackendImpl]:
         "SGLangAttentionBackend",
         "attnsdk.adapters.sglang",
         ("sglang.srt.layers.attention.base_attn_backend", "AttentionBackend"),
+    )
+
+
+def _shape(layer: RadixAttention) -> tuple[object, ...]:
+    """What a ``LayerSpec`` is derived from, of a SGLang layer (with ``layer_id``: an id reused
+    by a draft model's layer of another shape is another key)."""
+    return (
+        layer.layer_id,
+        layer.tp_q_head_num,
+        layer.tp_k_head_num,
+        layer.head_dim,
+        layer.v_head_dim,
+        layer.scaling,
+        layer.sliding_window_size,
+        layer.logit_cap,
+        layer.attn_type,
+        getattr(layer, "use_irope", False),
     )
