@@ -181,28 +181,20 @@ class AttnSDKMLAImplBase:
         # vLLM would hand fp8-quantized queries to a backend that says it takes them.
         self.supports_quant_query_input = False
         kind = getattr(attn_type, "value", attn_type)
-        asks = {
-            "alibi_slopes": alibi_slopes is not None,
-            "sliding_window": sliding_window is not None,
-            "logits_soft_cap": bool(logits_soft_cap),
-            "attn_type": kind != "decoder",
-            "kv_cache_dtype": kv_cache_dtype not in _KV_CACHE_DTYPES,
-            "decode_context_parallel_size": getattr(self, "dcp_world_size", 1) > 1,
-        }
-        found = {
-            "alibi_slopes": "ALiBi",
-            "sliding_window": sliding_window,
-            "logits_soft_cap": logits_soft_cap,
-            "attn_type": kind,
-            "kv_cache_dtype": repr(kv_cache_dtype),
-            "decode_context_parallel_size": getattr(self, "dcp_world_size", 1),
-        }
+        dcp = getattr(self, "dcp_world_size", 1)
+        checks = (  # (field, refused, expected, found)
+            ("alibi_slopes", alibi_slopes is not None, "None", "ALiBi slopes"),
+            ("sliding_window", sliding_window is not None, "None", sliding_window),
+            ("logits_soft_cap", bool(logits_soft_cap), "None", logits_soft_cap),
+            ("attn_type", kind != "decoder", "'decoder'", repr(kind)),
+            ("kv_cache_dtype", kv_cache_dtype not in _KV_CACHE_DTYPES,
+             f"one of {_KV_CACHE_DTYPES}", repr(kv_cache_dtype)),
+            ("decode_context_parallel_size", dcp > 1, "1", dcp),
+        )  # fmt: skip
         reasons = [
-            Reason(
-                ReasonKind.CONFIGURATION, name, f"is not served by the MLA drop-in: {found[name]}"
-            )
-            for name, asked in asks.items()
-            if asked
+            Reason(ReasonKind.CONFIGURATION, name, f"must be {expected}, found {found}")
+            for name, refused, expected, found in checks
+            if refused
         ]
         if reasons:
             raise UnsupportedConfigError("AttnSDKMLABackend cannot serve this layer:", reasons)
