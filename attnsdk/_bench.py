@@ -35,6 +35,7 @@ from attnsdk._layer import LayerSpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+    from pathlib import Path
 
 __all__ = [
     "COLUMNS",
@@ -416,6 +417,31 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column] = COL
         return "  ".join(parts).rstrip()
 
     return "\n".join([line([c.header for c in columns]), *(line(v) for v in cells)])
+
+
+def write_results(
+    out: Path,
+    name: str,
+    rows: list[dict[str, Any]],
+    plot: Callable[[list[dict[str, Any]], Path], None],
+    *,
+    device: str = "cuda",
+    **config: Any,
+) -> None:
+    """A benchmark script's results: ``out/name.json`` (``{"config", "rows"}``, the config being
+    the device, torch and attnsdk versions plus ``config``) and ``out/name.png`` from ``plot``."""
+    from attnsdk import __version__
+
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else device,
+        "torch": torch.__version__,
+        "attnsdk": __version__,
+        **config,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(dumps({"config": meta, "rows": rows}))
+    plot(rows, out / f"{name}.png")
+    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
 
 
 def dumps(data: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import attnsdk as A
-from attnsdk._bench import eager_us, graph_us, measure_ceilings
+from attnsdk._bench import eager_us, graph_us, measure_ceilings, write_results
 from attnsdk.testing import BatchSpec, make_batch
 
 RANK, ROPE, PAGE = 512, 64, 64
@@ -170,17 +170,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{100 * r['raw_graph_frac_of_copy']:8.1f}% {r['sdk_over_raw_eager']:13.3f} "
             f"{r['max_abs_err']:7.1e}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "attnsdk": A.__version__,
-        "copy_gbs": ceilings.copy_gbs,
-        "seconds": time.perf_counter() - start,
-    }
-    (args.out / "mla.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
-    plot(rows, args.out / "mla.png")
-    print(f"wrote {args.out / 'mla.json'} and {args.out / 'mla.png'}")
+    write_results(
+        args.out, "mla", rows, plot,
+        copy_gbs=ceilings.copy_gbs, seconds=time.perf_counter() - start,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import attnsdk as A
-from attnsdk._bench import eager_us, host_us, measure_ceilings
+from attnsdk._bench import eager_us, host_us, measure_ceilings, write_results
 
 D, DV = 192, 128
 SCALE = 192**-0.5
@@ -234,17 +234,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['sdk_tflops']:8.0f} {100 * r['sdk_frac_of_matmul']:4.0f}% "
             f"{100 * r['raw_frac_of_matmul']:7.0f}% {host:>15} {r['max_abs_err']:7.1e}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "attnsdk": A.__version__,
-        "matmul_tflops": ceilings.matmul_tflops,
-        "seconds": time.perf_counter() - start,
-    }
-    (args.out / "ragged.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
-    plot(rows, args.out / "ragged.png")
-    print(f"wrote {args.out / 'ragged.json'} and {args.out / 'ragged.png'}")
+    write_results(
+        args.out, "ragged", rows, plot,
+        matmul_tflops=ceilings.matmul_tflops, seconds=time.perf_counter() - start,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import attnsdk as A
-from attnsdk._bench import eager_us, host_us
+from attnsdk._bench import eager_us, host_us, write_results
 from attnsdk.testing import BatchSpec, make_batch
 
 DRAFTS = [-1, 0, 0, 1, 1, 2, 2, 3]
@@ -125,17 +125,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['backend']:<10} {shape:>10} {r['tree_us']:9.1f} {r['chain_us']:9.1f} "
             f"{r['tree_over_chain']:10.2f} {plans:>19} {r['max_abs_err']:8.1e}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "attnsdk": A.__version__,
-        "seconds": time.perf_counter() - start,
-        "drafts": DRAFTS,
-    }
-    (args.out / "tree.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
-    plot(rows, args.out / "tree.png")
-    print(f"wrote {args.out / 'tree.json'} and {args.out / 'tree.png'}")
+    write_results(
+        args.out, "tree", rows, plot, device=device,
+        seconds=time.perf_counter() - start, drafts=DRAFTS,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -232,3 +232,20 @@ def test_tree_benchmark_runs_on_cpu_and_checks_its_output(tmp_path: Path) -> Non
         assert row["chain_us"] > 0
         assert row["tree_over_chain"] == row["tree_us"] / row["chain_us"]
     assert (tmp_path / "tree.png").stat().st_size > 0
+
+
+def test_write_results_writes_json_and_plot(tmp_path: Path) -> None:
+    """The benchmark scripts' common output: valid JSON (NaN as null) with the run's config,
+    and the plot drawn beside it from the same rows."""
+    import json
+
+    from attnsdk._bench import write_results
+
+    drawn: list[Path] = []
+    rows = [{"us": 1.5, "ratio": float("nan")}]
+    write_results(tmp_path / "x", "demo", rows, lambda r, p: drawn.append(p), device="cpu", k=3)
+    data = json.loads((tmp_path / "x" / "demo.json").read_text())
+    assert data["rows"] == [{"us": 1.5, "ratio": None}]
+    assert data["config"]["device"] == "cpu"
+    assert data["config"]["k"] == 3
+    assert drawn == [tmp_path / "x" / "demo.png"]
