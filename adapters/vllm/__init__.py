@@ -3,7 +3,8 @@
 ``VLLMAdapter`` converts (subclass it for a fork); ``AttnSDKAttentionBackend`` plugs any attnsdk
 backend into vLLM v1 (with ``AttnSDKMetadataBuilder`` and ``AttnSDKAttentionImpl``);
 ``register()`` adds it to vLLM's registry; ``AttnSDKMLABackend`` runs MLA layers' decode on an
-attnsdk backend inside vLLM's MLA machinery (vLLM required); test doubles live in
+attnsdk backend inside vLLM's MLA machinery and ``AttnSDKMLAPrefillBackend`` their expanded
+prefill (``register_mla_prefill()``; both need vLLM); test doubles live in
 ``attnsdk.adapters.vllm.testing``.
 vLLM is imported only when a drop-in class is first used (to subclass vLLM's base classes, if
 vLLM is installed) and by ``register()``.
@@ -18,7 +19,7 @@ from attnsdk.adapters.vllm._backend import (
     VLLMCudaGraphSupport,
 )
 from attnsdk.adapters.vllm._layout import VLLMKVLayout, detect_kv_layout
-from attnsdk.adapters.vllm._resolve import BackendSpec, register
+from attnsdk.adapters.vllm._resolve import BackendSpec, register, register_mla_prefill
 
 if TYPE_CHECKING:
     from attnsdk.adapters.vllm._backend import (
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from attnsdk.adapters.vllm._mla import (
         AttnSDKMLAMetadataBuilderBase as AttnSDKMLAMetadataBuilder,
     )
+    from attnsdk.adapters.vllm._mla_prefill import (
+        AttnSDKMLAPrefillBackendBase as AttnSDKMLAPrefillBackend,
+    )
 
 __all__ = [
     "VLLM_VERSIONS",
@@ -41,6 +45,7 @@ __all__ = [
     "AttnSDKMLABackend",
     "AttnSDKMLAImpl",
     "AttnSDKMLAMetadataBuilder",
+    "AttnSDKMLAPrefillBackend",
     "AttnSDKMetadataBuilder",
     "BackendSpec",
     "VLLMAdapter",
@@ -49,6 +54,7 @@ __all__ = [
     "VLLMKVLayout",
     "detect_kv_layout",
     "register",
+    "register_mla_prefill",
 ]
 
 _DROP_INS = {"AttnSDKAttentionBackend": 0, "AttnSDKMetadataBuilder": 1, "AttnSDKAttentionImpl": 2}
@@ -64,4 +70,8 @@ def __getattr__(name: str) -> Any:
         from attnsdk.adapters.vllm._mla import vllm_mla_classes
 
         return vllm_mla_classes()[_MLA_DROP_INS[name]]
+    if name == "AttnSDKMLAPrefillBackend":
+        from attnsdk.adapters.vllm._mla_prefill import vllm_mla_prefill_class
+
+        return vllm_mla_prefill_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 vLLM runs every MLA layer through its own ``MLACommonImpl``: it projects the queries, writes
 the latent cache (``do_kv_cache_update``), and runs the expanded prefill with one of its MLA
-prefill backends (``attention_config.mla_prefill_backend``). What a backend adds is the decode
+prefill backends (``attention_config.mla_prefill_backend``; attnsdk's is
+``AttnSDKMLAPrefillBackend``, in ``_mla_prefill``). What a backend adds is the decode
 rows, ``forward_mqa``: queries absorbed into the latent space (``kv_lora_rank + rope`` dims)
 over the latent cache, one KV head, output in the latent space (vLLM applies ``W_UV``). The
 drop-in runs that on any attnsdk backend with ``Feature.MLA`` (``LayerSpec.for_mla`` over

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from attnsdk import BackendUnavailableError
 from attnsdk.adapters._common import BackendSpec, backend_key
 
-__all__ = ["BackendSpec", "bind", "register", "vllm_symbol"]
+__all__ = ["BackendSpec", "bind", "register", "register_mla_prefill", "vllm_symbol"]
 
 _T = TypeVar("_T", bound=type)
 _LOCK = threading.Lock()
@@ -89,3 +89,33 @@ def register(
         f"(looked in {', '.join(_REGISTRY_MODULES)}).",
         "pip install -U vllm",
     )
+
+
+_MLA_PREFILL_REGISTRY = "vllm.v1.attention.backends.mla.prefill.registry"
+
+
+def register_mla_prefill(
+    class_path: str = "attnsdk.adapters.vllm.AttnSDKMLAPrefillBackend", slot: str = "CUSTOM"
+) -> Any:
+    """Register the MLA prefill backend with vLLM's MLA prefill registry; returns the enum
+    member.
+
+    Select it with ``AttentionConfig(mla_prefill_backend="CUSTOM")`` (``slot``; a new name
+    adds a member). ``class_path`` may name a subclass that sets ``attnsdk_backend``. As with
+    ``register()``, vLLM's worker processes need it too: call it from a plugin entry point.
+    """
+    try:
+        module = importlib.import_module(_MLA_PREFILL_REGISTRY)
+    except ImportError as err:
+        raise BackendUnavailableError(
+            f"register_mla_prefill() needs vLLM's MLA prefill registry ({_MLA_PREFILL_REGISTRY}, "
+            f"vLLM 0.33 or later), which is not importable here: {err}",
+            "pip install 'vllm>=0.33'",
+        ) from err
+    enum_cls = module.MLAPrefillBackendEnum
+    if slot in enum_cls.__members__:
+        member = enum_cls[slot]
+        module.register_mla_prefill_backend(member, class_path)
+        return member
+    module.register_mla_prefill_backend(slot, class_path)  # vLLM adds the member
+    return enum_cls[slot]

@@ -281,6 +281,7 @@ def test_public_names_are_pinned() -> None:
         "AttnSDKMLABackend",
         "AttnSDKMLAImpl",
         "AttnSDKMLAMetadataBuilder",
+        "AttnSDKMLAPrefillBackend",
         "AttnSDKMetadataBuilder",
         "BackendSpec",
         "VLLMAdapter",
@@ -289,6 +290,7 @@ def test_public_names_are_pinned() -> None:
         "VLLMKVLayout",
         "detect_kv_layout",
         "register",
+        "register_mla_prefill",
     ]
     for name in vllm_adapter.__all__:
         if name.startswith("AttnSDKMLA") and importlib.util.find_spec("vllm") is None:

@@ -275,6 +275,19 @@ def test_the_mla_drop_in_without_vllm_names_what_is_missing() -> None:
     assert err.value.install_command == "pip install vllm"
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_the_mla_prefill_without_vllm_names_what_is_missing() -> None:
+    """The MLA prefill backend subclasses vLLM's ``MLAPrefillBackend`` and registers in vLLM's
+    MLA prefill registry: without vLLM both say which module is missing."""
+    import attnsdk.adapters.vllm as vllm_adapter
+
+    with pytest.raises(BackendUnavailableError, match=r"prefill\.base") as err:
+        vllm_adapter.AttnSDKMLAPrefillBackend  # noqa: B018
+    assert err.value.install_command == "pip install 'vllm>=0.33'"
+    with pytest.raises(BackendUnavailableError, match=r"prefill\.registry"):
+        vllm_adapter.register_mla_prefill()
+
+
 def test_speculative_steps_plan_from_exact_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU the adapter's host seq_lens is vLLM's ``seq_lens_cpu_upper_bound``, which takes
     every draft as accepted. With a ``speculative_config`` the builder plans from the exact

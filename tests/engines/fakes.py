@@ -97,6 +97,19 @@ VLLM_PATCHES: dict[str, str] = {
         "as a plain-PyTorch CPU implementation (kv_cache_dtype 'auto' only), so MLA layers run "
         "with vLLM's own cache writes."
     ),
+    "_C_cache_ops.gather_and_maybe_dequant_cache": (
+        "Compiled op (vllm._C) with which vLLM's MLA prefill gathers a chunk of a request's "
+        "cached context (latent rows, by block table, token_to_seq and seq_starts) into its "
+        "workspace before up-projecting it. Registered beside concat_and_cache_mla as a "
+        "plain-PyTorch CPU implementation (kv_cache_dtype 'auto' only)."
+    ),
+    "triton_merge_attn_states": (
+        "vLLM merges the MLA prefill's context and new-token parts with merge_attn_states, which "
+        "takes its CUDA op on CUDA, its own PyTorch version (_merge_attn_states_torch) on the CPU "
+        "platform, and the Triton kernel elsewhere: on this platform (is_cpu() False) that is "
+        "Triton, which cannot run here. install() points the Triton module's merge_attn_states "
+        "at vLLM's own PyTorch version, so the merge is still vLLM's code."
+    ),
     "hf_offline": (
         "vLLM's harness builds ModelConfig('Qwen/Qwen3-0.6B'), which reads config.json from "
         "the Hub; the Hub is unreachable here. install() writes that config.json into an "
@@ -409,6 +422,43 @@ def _register_cache_ops() -> None:
         kv_cache[slots[valid] // block_size, slots[valid] % block_size] = rows.to(kv_cache.dtype)
 
     lib.impl("concat_and_cache_mla", concat_and_cache_mla, "CompositeExplicitAutograd")
+    lib.define(
+        "gather_and_maybe_dequant_cache(Tensor src_cache, Tensor(a!) dst, Tensor block_table, "
+        "Tensor cu_seq_lens, Tensor token_to_seq, int num_tokens, str kv_cache_dtype, "
+        "Tensor scale, Tensor? seq_starts=None) -> ()"
+    )
+
+    def gather_and_maybe_dequant_cache(
+        src_cache: torch.Tensor,
+        dst: torch.Tensor,
+        block_table: torch.Tensor,
+        cu_seq_lens: torch.Tensor,
+        token_to_seq: torch.Tensor,
+        num_tokens: int,
+        kv_cache_dtype: str,
+        scale: torch.Tensor,
+        seq_starts: torch.Tensor | None = None,
+    ) -> None:
+        # Row i of dst is position seq_starts[b] + (i - cu_seq_lens[b]) of request b =
+        # token_to_seq[i], read through block_table[b]; src_cache: [blocks, bs, L+R].
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(
+                f"CPU gather_and_maybe_dequant_cache (tests/engines/fakes.py) handles "
+                f"kv_cache_dtype='auto' only, not {kv_cache_dtype!r}"
+            )
+        seq = token_to_seq[:num_tokens].long()
+        pos = torch.arange(num_tokens) - cu_seq_lens.long()[seq]
+        if seq_starts is not None:
+            pos = pos + seq_starts.long()[seq]
+        block_size = src_cache.shape[1]
+        blocks = block_table.long()[seq, pos // block_size]
+        dst[:num_tokens] = src_cache[blocks, pos % block_size].to(dst.dtype)
+
+    lib.impl(
+        "gather_and_maybe_dequant_cache",
+        gather_and_maybe_dequant_cache,
+        "CompositeExplicitAutograd",
+    )
     _KEEP.append(lib)  # a Library deregisters its ops when garbage-collected
 
 
@@ -458,3 +508,8 @@ def install_vllm(
 
     if cache_ops:
         _register_cache_ops()
+
+    import vllm.v1.attention.ops.merge_attn_states as merge
+    import vllm.v1.attention.ops.triton_merge_attn_states as triton_merge
+
+    triton_merge.merge_attn_states = merge._merge_attn_states_torch

@@ -12,7 +12,11 @@ import functools
 from typing import Any
 
 from attnsdk import AttentionConfig
-from attnsdk.adapters.vllm import AttnSDKAttentionBackend, AttnSDKMLABackend
+from attnsdk.adapters.vllm import (
+    AttnSDKAttentionBackend,
+    AttnSDKMLABackend,
+    AttnSDKMLAPrefillBackend,
+)
 
 REF = "vllm_engine.attnsdk_ref.Ref"
 REF_DEBUG = "vllm_engine.attnsdk_ref.RefDebug"
@@ -54,3 +58,21 @@ class RefMLA(AttnSDKMLABackend):  # type: ignore[misc,valid-type]
     """attnsdk's reference backend serving vLLM's MLA layers' decode rows."""
 
     attnsdk_backend = "reference"
+
+
+REF_MLA_PREFILL = "vllm_engine.attnsdk_ref.RefMLAPrefill"
+
+
+class RefMLAPrefill(AttnSDKMLAPrefillBackend):  # type: ignore[misc,valid-type]
+    """attnsdk's reference backend serving vLLM's MLA prefill (new tokens, context chunks)."""
+
+    attnsdk_backend = "reference"
+
+
+FLEX_MLA_PREFILL = "vllm_engine.attnsdk_ref.FlexMLAPrefill"
+
+
+class FlexMLAPrefill(AttnSDKMLAPrefillBackend):  # type: ignore[misc,valid-type]
+    """attnsdk's flex backend, which has no ragged attention: vLLM's selection refuses it."""
+
+    attnsdk_backend = "flex"

@@ -22,7 +22,7 @@ from vllm.config import set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
-from vllm_engine.attnsdk_ref import RefMLA
+from vllm_engine.attnsdk_ref import FLEX_MLA_PREFILL, REF_MLA_PREFILL, RefMLA, RefMLAPrefill
 
 import attnsdk as A
 from attnsdk.adapters.vllm import AttnSDKAttentionBackend
@@ -65,10 +65,21 @@ class KVBProj(torch.nn.Module):
 class Model:
     """One MLA layer with its cache, bound the way vLLM's worker binds it."""
 
-    def __init__(self, backend: type = RefMLA, speculative_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        backend: type = RefMLA,
+        speculative_tokens: int = 0,
+        prefill: type | None = CPUSDPAMLAPrefillBackend,
+        workspace: int | None = None,
+        prefill_slot: Any = None,
+    ) -> None:
+        """``prefill``: the MLA prefill backend class, or None for vLLM's selection (with
+        ``attention_config.mla_prefill_backend = prefill_slot``); ``workspace``: the rows of
+        vLLM's context-gather workspace (small values split a context into several chunks)."""
         self.config = create_vllm_config(
             model_name=MODEL, max_model_len=256, block_size=BS, num_gpu_blocks=BLOCKS
         )
+        self.config.attention_config.mla_prefill_backend = prefill_slot
         if speculative_tokens:
             # The fields vLLM's builders read of a SpeculativeConfig (MTP drafts; a full one
             # needs the draft model's config).
@@ -85,7 +96,7 @@ class Model:
                 num_heads=H, scale=SCALE, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
                 v_head_dim=DV, q_lora_rank=None, kv_lora_rank=RANK, kv_b_proj=self.kv_b_proj,
                 cache_config=self.config.cache_config, prefix="model.layers.0.self_attn.attn",
-                attn_backend=backend, prefill_backend_cls=CPUSDPAMLAPrefillBackend,
+                attn_backend=backend, prefill_backend_cls=prefill,
             )  # fmt: skip
             try:
                 self.layer.process_weights_after_loading()  # vLLM 0.34
@@ -100,6 +111,8 @@ class Model:
             self.builder = backend.get_builder_cls()(
                 spec, [self.layer.layer_name], self.config, torch.device("cpu")
             )
+        if workspace is not None:  # read by each build's chunk planning
+            self.builder.chunked_prefill_workspace_size = workspace
 
     @property
     def cache(self) -> torch.Tensor:
@@ -304,3 +317,123 @@ def test_speculative_steps_plan_from_exact_lengths(monkeypatch: pytest.MonkeyPat
     result = model.step([40, 17, 9], [4, 1, 9], seed=5)
     assert result["md"].decode.plan.metadata.seq_lens_cpu.tolist() == [40, 17]
     _close(result["out"], result["want"])
+
+
+# --- The expanded prefill on attnsdk: AttnSDKMLAPrefillBackend ---------------------------------
+
+CONTEXT_STEPS = [  # (seq_lens, query_lens): decodes first, then prefills over a cached context
+    ([40, 17, 30, 50], [1, 1, 10, 6]),  # two prefills with 20 and 44 cached tokens
+    ([25, 9, 60], [5, 9, 12]),  # a new prompt (no context) between two with context
+    ([100], [3]),  # one prefill, 97 cached tokens
+]
+
+
+@pytest.mark.parametrize(
+    "prefill", [CPUSDPAMLAPrefillBackend, RefMLAPrefill], ids=["vllm", "attnsdk"]
+)
+@pytest.mark.parametrize("workspace", [None, 32], ids=["one-chunk", "32-row-chunks"])
+def test_prefill_over_cached_context(prefill: type, workspace: int | None) -> None:
+    """Prefills whose requests have a cached context (prefix caching, chunked prefill): vLLM
+    gathers and up-projects the context chunk by chunk (32 rows: a context split across chunks,
+    continuations) and merges the parts by log-sum-exp; every attention call goes to the prefill
+    backend. vLLM's own CPU backend is the control for the harness."""
+    model = Model(prefill=prefill, workspace=workspace)
+    for seed, (seq_lens, query_lens) in enumerate(CONTEXT_STEPS):
+        result = model.step(seq_lens, query_lens, seed)
+        _close(result["out"], result["want"])
+        chunks = result["md"].prefill.chunked_context.chunks
+        assert len(chunks) > 1 if workspace and max(seq_lens) > 64 else len(chunks) >= 1
+
+
+def test_random_prefill_steps_on_attnsdk() -> None:
+    """Random steps of decodes, new prompts and prefills over a context, through the attnsdk
+    prefill backend with chunks of 16 to 64 rows."""
+    rng = random.Random(3)
+    for seed in range(8):
+        model = Model(prefill=RefMLAPrefill, workspace=rng.choice([16, 32, 64, None]))
+        decodes = [rng.randint(1, 120) for _ in range(rng.randint(0, 3))]
+        prefills = [(rng.randint(2, 20), rng.randint(0, 90)) for _ in range(rng.randint(1, 4))]
+        seq_lens = decodes + [n + ctx for n, ctx in prefills]
+        query_lens = [1] * len(decodes) + [n for n, _ in prefills]
+        result = model.step(seq_lens, query_lens, seed)
+        _close(result["out"], result["want"])
+
+
+def test_prefill_calls_reach_the_attnsdk_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One plan per part per step (not per layer call), the expanded layer's dims, and the
+    result used: zeroing the context chunks' output shows in the layer's output."""
+    model = Model(prefill=RefMLAPrefill, workspace=32)
+    backend = model.builder._prefill_backend
+    assert isinstance(backend, RefMLAPrefill)
+    calls: list[tuple[A.LayerSpec, A.AttentionMetadata]] = []
+    real = backend.backend.forward_ragged
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: A.Plan,
+            layer: A.LayerSpec, **kw: Any) -> torch.Tensor:  # fmt: skip
+        calls.append((layer, plan.metadata))
+        return real(q, k, v, plan, layer, **kw)
+
+    monkeypatch.setattr(backend.backend, "forward_ragged", spy)
+    seq_lens, query_lens = [40, 70], [1, 6]  # a decode, then a prefill over 64 cached tokens
+    result = model.step(seq_lens, query_lens, seed=4)
+    _close(result["out"], result["want"])
+    (new_layer, new_meta), *chunk_calls = calls
+    assert (new_layer.head_dim, new_layer.v_dim, new_layer.num_heads) == (NOPE + ROPE, DV, H)
+    assert new_layer.causal
+    assert not new_meta.cross_attention
+    assert new_meta.query_lens_cpu.tolist() == new_meta.seq_lens_cpu.tolist() == [6]
+    assert [m.seq_lens_cpu.tolist() for _, m in chunk_calls] == [[32], [32]]
+    assert all(not layer.causal and meta.cross_attention for layer, meta in chunk_calls)
+
+    def zero_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: A.Plan,
+                    layer: A.LayerSpec, **kw: Any) -> torch.Tensor:  # fmt: skip
+        out = real(q, k, v, plan, layer, **kw)
+        return out.zero_() if plan.metadata.cross_attention else out
+
+    monkeypatch.setattr(backend.backend, "forward_ragged", zero_chunks)
+    result = model.step(seq_lens, query_lens, seed=4)
+    assert (result["out"] - result["want"]).abs().max() > 0.1
+
+
+def test_prefill_registration_and_selection() -> None:
+    """``register_mla_prefill`` puts the class in vLLM's MLA prefill registry; vLLM's own
+    selection (``attention_config.mla_prefill_backend``) then builds it for the layer. A
+    backend without ragged attention is refused at selection, naming why."""
+    from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend
+    from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
+
+    from attnsdk.adapters.vllm import register_mla_prefill
+
+    slot = register_mla_prefill(REF_MLA_PREFILL)
+    try:
+        assert slot is MLAPrefillBackendEnum.CUSTOM
+        model = Model(prefill=None, prefill_slot=slot)
+        assert get_mla_prefill_backend(model.config) is RefMLAPrefill
+        assert isinstance(model.layer.prefill_backend, RefMLAPrefill)
+        result = model.step([30, 50], [4, 9], seed=2)
+        _close(result["out"], result["want"])
+
+        register_mla_prefill(FLEX_MLA_PREFILL)
+        with pytest.raises(ValueError, match="ragged"):
+            get_mla_prefill_backend(model.config)
+    finally:
+        MLAPrefillBackendEnum.CUSTOM.clear_override()
+
+
+def test_prefill_refusals() -> None:
+    """Fused fp8 output is refused naming ``output_scale``; a prefill without this step's
+    ``prepare_metadata`` is refused rather than run on another step's plans."""
+    model = Model(prefill=RefMLAPrefill)
+    backend = model.builder._prefill_backend
+    q = torch.zeros(3, H, NOPE + ROPE, dtype=DTYPE)
+    k, v = torch.zeros_like(q), torch.zeros(3, H, DV, dtype=DTYPE)
+    with pytest.raises(A.InvalidMetadataError, match="prepare_metadata"):
+        backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=False)
+    model.step([3], [3], seed=0)
+    with pytest.raises(A.UnsupportedConfigError, match="output_scale"):
+        backend.run_prefill_new_tokens(q, k, v, False, output_scale=torch.ones(()))
+    out = backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
+    assert isinstance(out, tuple)
+    assert out[0].shape == (3, H, DV)
+    assert out[1].shape == (H, 3)
+    assert out[1].is_contiguous()
