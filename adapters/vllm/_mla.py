@@ -15,7 +15,8 @@ drop-in runs that on any attnsdk backend with ``Feature.MLA`` (``LayerSpec.for_m
 These classes subclass vLLM's (an MLA layer is vLLM's machinery plus ``forward_mqa``), so they
 exist only where vLLM is installed. Speculative verifies (DeepSeek's MTP) run as decode rows of
 several tokens (vLLM's ``QueryLenSupport.VARLEN``); full CUDA graphs are not offered (plans are
-per step); fp8 latent caches, sliding windows, softcap, ALiBi, decode and prefill context
+per step); fp8 latent caches are read with the layer's ``_k_scale`` (on backends serving fp8
+MLA); packed fp8 row formats, sliding windows, softcap, ALiBi, decode and prefill context
 parallelism and adaptive verification are refused.
 """
 
@@ -48,7 +49,7 @@ from attnsdk.adapters.vllm._backend import (
     no_full_graphs,
     serves_compute_capability,
 )
-from attnsdk.adapters.vllm._layout import compute_dtype_by_name
+from attnsdk.adapters.vllm._layout import compute_dtype_by_name, fp8_storage_dtype
 from attnsdk.adapters.vllm._resolve import BackendSpec, bind
 
 __all__ = [
@@ -59,9 +60,10 @@ __all__ = [
 ]
 
 _MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
-_KV_CACHE_DTYPES = ["auto", "float16", "bfloat16"]
-"""The latent cache in the model's dtype; vLLM's fp8 latent (stored as uint8, its own scale
-conventions) is not mapped yet."""
+_KV_CACHE_DTYPES = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
+"""The latent cache in the model's dtype, or vLLM's fp8 latent: e4m3 rows of ``latent /
+layer._k_scale`` (vLLM views the uint8 cache as e4m3 before ``forward_mqa``). DeepSeek's packed
+``fp8_ds_mla`` / ``nvfp4_ds_mla`` row formats are not mapped."""
 _ROPE = 64
 """DeepSeek's and Kimi's rope dims, which vLLM's MLA head sizes (320, 512, 576) assume."""
 
@@ -200,6 +202,9 @@ class AttnSDKMLAImplBase:
         if reasons:
             raise UnsupportedConfigError("AttnSDKMLABackend cannot serve this layer:", reasons)
         self.backend = resolve_backend(self.attnsdk_backend)
+        self.latent_dtype = fp8_storage_dtype(kv_cache_dtype)
+        """The fp8 dtype of vLLM's latent cache (read with ``layer._k_scale``), else None."""
+        self._kv_cache_dtype = kv_cache_dtype
         rank = int(mla_args["kv_lora_rank"])
         self.spec = LayerSpec.for_mla(
             num_heads, kv_lora_rank=rank, rope_dim=int(mla_args["qk_rope_head_dim"]), scale=scale
@@ -224,13 +229,15 @@ class AttnSDKMLAImplBase:
                 "the attnsdk plan AttnSDKMLABackend's builder makes",
                 type(plan).__name__,
             )
-        cache = self._wrap(kv_c_and_k_pe_cache)
-        return self.backend.forward(q, None, None, cache, plan, self.spec), None
+        cache = self._wrap(kv_c_and_k_pe_cache, q.dtype)
+        k_scale = _latent_scale(layer) if cache.layout.is_quantized else None
+        return self.backend.forward(q, None, None, cache, plan, self.spec, k_scale=k_scale), None
 
-    def _wrap(self, kv: torch.Tensor) -> KVCache:
-        """vLLM's latent cache (blocks, block_size, rank + rope) as attnsdk's MLA cache, adopted
-        without a copy; reused while vLLM hands the same tensor."""
-        key = (kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype)
+    def _wrap(self, kv: torch.Tensor, dtype: torch.dtype) -> KVCache:
+        """vLLM's latent cache (blocks, block_size, rank + rope) as attnsdk's MLA cache in the
+        compute ``dtype``, adopted without a copy; reused while vLLM hands the same tensor. An
+        fp8 cache comes viewed as e4m3 (as uint8 if a caller did not view it)."""
+        key = (kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype, dtype)
         if self._cache is None or self._cache[0] != key:
             if kv.dim() != 3:
                 raise InvalidMetadataError(
@@ -238,14 +245,34 @@ class AttnSDKMLAImplBase:
                     "(num_blocks, block_size, kv_lora_rank + rope)",
                     tuple(kv.shape),
                 )
+            fp8 = self.latent_dtype
+            if fp8 is not None and kv.dtype == torch.uint8:
+                kv = kv.view(fp8)
+            if kv.dtype != (fp8 or dtype):
+                raise InvalidMetadataError(
+                    "kv_c_and_k_pe_cache.dtype",
+                    f"{fp8 or dtype} (kv_cache_dtype {self._kv_cache_dtype!r})",
+                    kv.dtype,
+                )
             layout = KVCacheLayout.for_mla(
                 kv.shape[1],
                 kv_lora_rank=self.spec.v_dim,
                 rope_dim=kv.shape[2] - self.spec.v_dim,
-                dtype=kv.dtype,
+                dtype=dtype,
+                kv_dtype=fp8,
             )
             self._cache = (key, layout.wrap(kv.unsqueeze(2)))
         return self._cache[1]
+
+
+def _latent_scale(layer: Any) -> torch.Tensor:
+    """vLLM's fp32 scale of an fp8 latent cache (``layer._k_scale``: latent = e4m3 * scale)."""
+    scale = getattr(layer, "_k_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        raise InvalidMetadataError(
+            "layer._k_scale", "the fp32 scale tensor of an fp8 latent cache", type(scale).__name__
+        )
+    return scale.float()
 
 
 class AttnSDKMLABackendBase:
@@ -304,9 +331,17 @@ class AttnSDKMLABackendBase:
         rank = head_size - _ROPE
         layer = LayerSpec.for_mla(1, kv_lora_rank=rank, rope_dim=_ROPE)
         page = block_size or max(caps.min_page_size, caps.page_size_multiple)
-        layout = KVCacheLayout.for_mla(page, kv_lora_rank=rank, rope_dim=_ROPE, dtype=dtype)
+        known = kv_cache_dtype is None or kv_cache_dtype in _KV_CACHE_DTYPES
+        fp8 = fp8_storage_dtype(kv_cache_dtype) if known else None
+        layout = KVCacheLayout.for_mla(
+            page, kv_lora_rank=rank, rope_dim=_ROPE, dtype=dtype, kv_dtype=fp8
+        )
         device = "cuda" if device_capability is not None else None
         reasons = [str(r) for r in backend.unsupported_reasons(layer, layout, device)]
+        if not known:
+            reasons.append(
+                f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, found {kv_cache_dtype!r}"
+            )
         if has_sink or use_sparse or use_mm_prefix:
             reasons.append("sinks, sparse MLA and multimodal prefixes are not served")
         compute = compute_dtype_by_name(kv_cache_dtype)

@@ -94,14 +94,15 @@ VLLM_PATCHES: dict[str, str] = {
     "_C_cache_ops.concat_and_cache_mla": (
         "Compiled op (vllm._C) with which vLLM's MLAAttentionImpl.do_kv_cache_update writes "
         "the latent cache (kv_c then k_pe per token). Registered beside reshape_and_cache_flash "
-        "as a plain-PyTorch CPU implementation (kv_cache_dtype 'auto' only), so MLA layers run "
-        "with vLLM's own cache writes."
+        "as a plain-PyTorch CPU implementation (kv_cache_dtype 'auto', and 'fp8' / 'fp8_e4m3' as "
+        "vLLM's kernel quantizes: e4m3 of row / scale, saturated), so MLA layers run with vLLM's "
+        "own cache writes."
     ),
     "_C_cache_ops.gather_and_maybe_dequant_cache": (
         "Compiled op (vllm._C) with which vLLM's MLA prefill gathers a chunk of a request's "
         "cached context (latent rows, by block table, token_to_seq and seq_starts) into its "
         "workspace before up-projecting it. Registered beside concat_and_cache_mla as a "
-        "plain-PyTorch CPU implementation (kv_cache_dtype 'auto' only)."
+        "plain-PyTorch CPU implementation ('auto', and fp8 dequantized as e4m3 * scale)."
     ),
     "triton_merge_attn_states": (
         "vLLM merges the MLA prefill's context and new-token parts with merge_attn_states, which "
@@ -357,6 +358,18 @@ def _make_platform_cls(base: type) -> type:
     return CpuTestPlatform
 
 
+_MLA_FP8 = ("fp8", "fp8_e4m3")
+"""vLLM's kv_cache_dtype names of an e4m3 latent cache, as the CPU MLA cache ops serve them."""
+
+
+def _to_e4m3(x: Any, scale: Any) -> Any:
+    """vLLM's cache quantization: ``x / scale``, saturated to e4m3's finite range (±448)."""
+    import torch
+
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    return (x.float() / scale.float()).clamp(-limit, limit).to(torch.float8_e4m3fn)
+
+
 def _register_cache_ops() -> None:
     import torch
 
@@ -409,17 +422,21 @@ def _register_cache_ops() -> None:
         skip_scale: bool = False,
     ) -> None:
         # kv_c: [T, kv_lora_rank]; k_pe: [T, rope] or [T, 1, rope]; kv_cache: [blocks, bs, L+R].
-        if kv_cache_dtype != "auto":
-            raise NotImplementedError(
-                f"CPU concat_and_cache_mla (tests/engines/fakes.py) handles kv_cache_dtype='auto' "
-                f"only, not {kv_cache_dtype!r}"
-            )
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()
         valid = slots >= 0
         rows = torch.cat((kv_c[:n], k_pe[:n].reshape(n, -1)), dim=-1)[valid]
         block_size = kv_cache.shape[1]
-        kv_cache[slots[valid] // block_size, slots[valid] % block_size] = rows.to(kv_cache.dtype)
+        at = slots[valid] // block_size, slots[valid] % block_size
+        if kv_cache_dtype == "auto":
+            kv_cache[at] = rows.to(kv_cache.dtype)
+        elif kv_cache_dtype in _MLA_FP8:  # vLLM's saturating e4m3 of row / scale, as bytes
+            kv_cache.view(torch.uint8)[at] = _to_e4m3(rows, scale).view(torch.uint8)
+        else:
+            raise NotImplementedError(
+                f"CPU concat_and_cache_mla (tests/engines/fakes.py) handles kv_cache_dtype "
+                f"'auto', 'fp8' and 'fp8_e4m3', not {kv_cache_dtype!r}"
+            )
 
     lib.impl("concat_and_cache_mla", concat_and_cache_mla, "CompositeExplicitAutograd")
     lib.define(
@@ -441,10 +458,10 @@ def _register_cache_ops() -> None:
     ) -> None:
         # Row i of dst is position seq_starts[b] + (i - cu_seq_lens[b]) of request b =
         # token_to_seq[i], read through block_table[b]; src_cache: [blocks, bs, L+R].
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in ("auto", *_MLA_FP8):
             raise NotImplementedError(
                 f"CPU gather_and_maybe_dequant_cache (tests/engines/fakes.py) handles "
-                f"kv_cache_dtype='auto' only, not {kv_cache_dtype!r}"
+                f"kv_cache_dtype 'auto', 'fp8' and 'fp8_e4m3', not {kv_cache_dtype!r}"
             )
         seq = token_to_seq[:num_tokens].long()
         pos = torch.arange(num_tokens) - cu_seq_lens.long()[seq]
@@ -452,7 +469,10 @@ def _register_cache_ops() -> None:
             pos = pos + seq_starts.long()[seq]
         block_size = src_cache.shape[1]
         blocks = block_table.long()[seq, pos // block_size]
-        dst[:num_tokens] = src_cache[blocks, pos % block_size].to(dst.dtype)
+        rows = src_cache[blocks, pos % block_size]
+        if kv_cache_dtype != "auto":  # e4m3 bytes (or an e4m3 view): value = e4m3 * scale
+            rows = rows.view(torch.float8_e4m3fn).float() * scale.float()
+        dst[:num_tokens] = rows.to(dst.dtype)
 
     lib.impl(
         "gather_and_maybe_dequant_cache",

@@ -60,6 +60,12 @@ class RefMLA(AttnSDKMLABackend):  # type: ignore[misc,valid-type]
     attnsdk_backend = "reference"
 
 
+class FlexMLA(AttnSDKMLABackend):  # type: ignore[misc,valid-type]
+    """attnsdk's flex backend for MLA decode: dims within 256, no fp8 (vLLM's check refuses)."""
+
+    attnsdk_backend = "flex"
+
+
 REF_MLA_PREFILL = "vllm_engine.attnsdk_ref.RefMLAPrefill"
 
 

@@ -22,7 +22,13 @@ from vllm.config import set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
-from vllm_engine.attnsdk_ref import FLEX_MLA_PREFILL, REF_MLA_PREFILL, RefMLA, RefMLAPrefill
+from vllm_engine.attnsdk_ref import (
+    FLEX_MLA_PREFILL,
+    REF_MLA_PREFILL,
+    FlexMLA,
+    RefMLA,
+    RefMLAPrefill,
+)
 
 import attnsdk as A
 from attnsdk.adapters.vllm import AttnSDKAttentionBackend
@@ -34,6 +40,7 @@ H, RANK, ROPE, NOPE, DV, BS = 4, 512, 64, 32, 32, 16
 BLOCKS = 1024  # the block ids vLLM's create_common_attn_metadata hands out reach ~1000
 MODEL = "attnsdk-test/tiny-deepseek-v2"
 SCALE = (NOPE + ROPE) ** -0.5
+FP8_SCALE = 0.02  # latents ~N(0, 1): |x| / 0.02 stays inside e4m3's 448
 DTYPE = torch.bfloat16
 
 
@@ -72,14 +79,19 @@ class Model:
         prefill: type | None = CPUSDPAMLAPrefillBackend,
         workspace: int | None = None,
         prefill_slot: Any = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """``prefill``: the MLA prefill backend class, or None for vLLM's selection (with
         ``attention_config.mla_prefill_backend = prefill_slot``); ``workspace``: the rows of
-        vLLM's context-gather workspace (small values split a context into several chunks)."""
+        vLLM's context-gather workspace (small values split a context into several chunks);
+        ``kv_cache_dtype`` "fp8": an e4m3 latent cache (uint8, as vLLM allocates it) with the
+        layer's ``_k_scale`` set to ``FP8_SCALE``."""
         self.config = create_vllm_config(
             model_name=MODEL, max_model_len=256, block_size=BS, num_gpu_blocks=BLOCKS
         )
         self.config.attention_config.mla_prefill_backend = prefill_slot
+        self.config.cache_config.cache_dtype = kv_cache_dtype
+        self.fp8 = kv_cache_dtype != "auto"
         if speculative_tokens:
             # The fields vLLM's builders read of a SpeculativeConfig (MTP drafts; a full one
             # needs the draft model's config).
@@ -103,7 +115,10 @@ class Model:
             except TypeError:
                 self.layer.process_weights_after_loading(DTYPE)  # vLLM 0.33
             spec = self.layer.get_kv_cache_spec(self.config)
-            kv = torch.zeros(BLOCKS, 1, BS, RANK + ROPE, dtype=DTYPE)
+            kv = torch.zeros(BLOCKS, 1, BS, RANK + ROPE, dtype=torch.uint8 if self.fp8 else DTYPE)
+            if self.fp8:  # the scale a checkpoint's k_scale would load; not 1, so it must be read
+                self.layer._k_scale.fill_(FP8_SCALE)
+                self.layer._k_scale_float = FP8_SCALE
             if hasattr(self.layer, "bind_kv_cache"):
                 self.layer.bind_kv_cache(kv)
             else:
@@ -141,15 +156,17 @@ class Model:
         for r, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True)):
             pos = torch.arange(s)
             slots = cm.block_table_tensor[r, pos // BS].long() * BS + pos % BS
-            context = torch.randn(s - n, RANK + ROPE, generator=gen).to(DTYPE)
-            flat[slots[: s - n]] = context
+            context = torch.randn(s - n, RANK + ROPE, generator=gen).to(DTYPE).double()
+            new = torch.cat((kv_c, k_pe[:, 0]), -1)[starts[r] : starts[r + 1]].double()
+            if self.fp8:
+                stored, context = _e4m3(context)
+                if r < md.num_decodes:  # decode rows read their own latents back from the cache
+                    new = _e4m3(new)[1]
+                flat[slots[: s - n]] = stored
+            else:
+                flat[slots[: s - n]] = context.to(DTYPE)
             cm.slot_mapping[starts[r] : starts[r + 1]] = slots[s - n :]
-            latent = torch.cat(
-                (
-                    context.double(),
-                    torch.cat((kv_c, k_pe[:, 0]), -1)[starts[r] : starts[r + 1]].double(),
-                )
-            )
+            latent = torch.cat((context, new))
             c, pe = latent[:, :RANK], latent[:, RANK:]
             k = torch.cat((torch.einsum("sl,lhp->shp", c, w_uk), pe[:, None].expand(-1, H, -1)), -1)
             v = torch.einsum("sl,lhv->shv", c, w_uv)
@@ -164,6 +181,15 @@ class Model:
         ):
             out = self.layer(q, kv_c, k_pe, output_shape=torch.Size([tokens, H * DV]))
         return {"out": out, "want": torch.cat(want), "md": md, "slots": cm.slot_mapping}
+
+
+def _e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fp8 latent of ``x``: the cache bytes (e4m3 of x / scale, saturated) and the
+    values a reader gets back (e4m3 * scale)."""
+    scale = torch.tensor(FP8_SCALE, dtype=torch.float32)
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    q = (x.to(DTYPE).float() / scale).clamp(-limit, limit).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), q.double() * scale.double()
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +284,17 @@ def test_backend_choice_and_refusals() -> None:
     mixed = RefMLA.supports_combination(576, DTYPE, "float16", BS, True, False, False, False, None)
     assert mixed is not None
     assert "float16" in mixed
+    assert (
+        RefMLA.supports_combination(576, DTYPE, "fp8", BS, True, False, False, False, None) is None
+    )
+    packed = RefMLA.supports_combination(
+        576, DTYPE, "fp8_ds_mla", BS, True, False, False, False, None
+    )
+    assert packed is not None
+    assert "fp8_ds_mla" in packed
+    flex_fp8 = FlexMLA.supports_combination(576, DTYPE, "fp8", BS, True, False, False, False, None)
+    assert flex_fp8 is not None
+    assert "kv_dtype" in flex_fp8  # the attnsdk backend's own reason reaches vLLM
     impl_cls = RefMLA.get_impl_cls()
     base = {
         "num_heads": H, "head_size": RANK + ROPE, "scale": SCALE, "num_kv_heads": 1,
@@ -270,9 +307,10 @@ def test_backend_choice_and_refusals() -> None:
     config = create_vllm_config(model_name=MODEL, max_model_len=256, block_size=BS)
     with set_current_vllm_config(config):
         impl_cls(**base)
+        impl_cls(**{**base, "kv_cache_dtype": "fp8"})  # an e4m3 latent with _k_scale
         for field, value in (
             ("sliding_window", 64),
-            ("kv_cache_dtype", "fp8"),
+            ("kv_cache_dtype", "fp8_ds_mla"),  # DeepSeek's packed fp8 rows
             ("logits_soft_cap", 30.0),
         ):
             with pytest.raises(A.UnsupportedConfigError, match=field):
@@ -437,3 +475,49 @@ def test_prefill_refusals() -> None:
     assert out[0].shape == (3, H, DV)
     assert out[1].shape == (H, 3)
     assert out[1].is_contiguous()
+
+
+# --- fp8 latent caches ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prefill", [CPUSDPAMLAPrefillBackend, RefMLAPrefill], ids=["vllm", "attnsdk"]
+)
+def test_fp8_latent_cache(prefill: type) -> None:
+    """``kv_cache_dtype="fp8"``: vLLM writes e4m3 latents of row / ``_k_scale`` into a uint8
+    cache and views it as e4m3 for the decode; the drop-in reads it with the layer's scale
+    (0.02 here, so a scale left out is off by 50x). Prefills gather their context dequantized
+    (vLLM's gather) and attend their new tokens unquantized, as vLLM does."""
+    model = Model(prefill=prefill, workspace=32, kv_cache_dtype="fp8")
+    assert model.layer.kv_cache.dtype == torch.uint8
+    rng = random.Random(5)
+    steps = [([30, 12, 70], [1, 1, 8])] + [
+        (
+            [rng.randint(1, 100) for _ in range(3)] + [40],
+            [1, 1, 1, rng.randint(2, 12)],
+        )
+        for _ in range(4)
+    ]
+    for seed, (seq_lens, query_lens) in enumerate(steps):
+        result = model.step(seq_lens, query_lens, seed)
+        _close(result["out"], result["want"])
+
+
+def test_fp8_latent_scale_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode passes ``layer._k_scale`` to the attnsdk backend as k_scale (fp32), over an
+    attnsdk MLA cache whose storage is e4m3 and whose compute dtype is the model's."""
+    model = Model(kv_cache_dtype="fp8")
+    impl = model.layer.impl
+    seen: list[tuple[Any, A.KVCacheLayout]] = []
+    real = impl.backend.forward
+
+    def spy(*args: Any, **kw: Any) -> torch.Tensor:
+        seen.append((kw.get("k_scale"), args[3].layout))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(impl.backend, "forward", spy)
+    _close(**{k: v for k, v in model.step([20, 9], [1, 1], seed=3).items() if k in ("out", "want")})
+    ((k_scale, layout),) = seen
+    assert k_scale.dtype == torch.float32
+    assert float(k_scale) == pytest.approx(FP8_SCALE)
+    assert (layout.storage_dtype, layout.dtype, layout.mla) == (torch.float8_e4m3fn, DTYPE, True)
