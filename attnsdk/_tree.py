@@ -157,6 +157,9 @@ class TreePasses:
     context_empty: torch.Tensor
     """(T,) bool, on the device: rows whose sequence has no context (their context pass sees
     no key: the log-sum-exp is set to -inf whatever the kernel writes there)."""
+    some_context_empty: bool
+    """Whether any sequence has no context (read from the host twins): only then does
+    ``context_empty`` need applying."""
     drafts_empty: torch.Tensor
     """(T,) bool, on the device: rows that see no new token (only with a mask that hides a
     token from itself, which ``validate`` refuses)."""
@@ -212,7 +215,10 @@ def tree_passes(meta: AttentionMetadata) -> TreePasses:
         max_seq_len=m if t else 0,
         page_size=1,
     )
-    return TreePasses(context, drafts, (ctx_cpu.to(dev) == 0)[owner_d], count == 0)
+    empty = ctx_cpu == 0
+    return TreePasses(
+        context, drafts, empty.to(dev)[owner_d], bool(empty.any()), drafts_empty=count == 0
+    )
 
 
 def token_pool(x: torch.Tensor) -> torch.Tensor | None:

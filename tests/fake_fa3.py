@@ -49,7 +49,7 @@ class FakeKernel:
         self.batch_sizes: list[int] = []
         self.v_dims: list[int] = []
 
-    def __call__(self, q, k_cache, v_cache, out, **kw: Any) -> None:  # type: ignore[no-untyped-def]
+    def __call__(self, q, k_cache, v_cache, out, **kw: Any) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
         if kw.get("cu_seqlens_k") is not None:  # dense varlen K/V (flash_attn_varlen_func)
             assert kw["page_table"] is None
             assert kw["cache_seqlens"] is None
@@ -70,6 +70,9 @@ class FakeKernel:
         self.batch_sizes.append(len(lens))
         self.v_dims.append(v_cache.shape[-1])
         p, hq, hkv = k_cache.shape[1], q.shape[1], k_cache.shape[2]
+        # FA3's own softmax_lse is (Hq, total_q); return_lse hands it back as a (T, Hq) view.
+        # Rows no sequence covers stay NaN: nothing may read them.
+        native = torch.full((hq, q.shape[0]), float("nan")) if kw.get("return_lse") else None
         wl, wr = kw["window"]
         for b, length in enumerate(lens):
             q0, q1 = qsl[b], qsl[b + 1]
@@ -108,6 +111,9 @@ class FakeKernel:
             out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).to(out.dtype)
             if kw.get("lse") is not None:  # (T, Hq), natural log, the sink column included
                 kw["lse"][q0:q1] = torch.logsumexp(s, -1).t()
+            if native is not None:
+                native[:, q0:q1] = torch.logsumexp(s, -1)
+        return None if native is None else native.t()
 
 
 def _as_pages(x: torch.Tensor, starts: torch.Tensor, lens: list[int], width: int) -> torch.Tensor:

@@ -132,8 +132,11 @@ class KernelCall:
         qv: torch.Tensor | None = None,
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_k: int | None = None,
-    ) -> None:
-        """Attention into ``out`` and, when given, the log-sum-exp into ``lse`` (T, Hq).
+        return_lse: bool = False,
+    ) -> torch.Tensor | None:
+        """Attention into ``out`` and, when given, the log-sum-exp into ``lse`` (T, Hq);
+        ``return_lse`` returns FA3's own log-sum-exp as a (T, Hq) view instead (strided, no
+        copy: for ``merge_states``, which reads strides), else None.
         ``qv`` (T, Hq, Dv): MLA's second query part, multiplied with ``v_cache`` (the latent)
         and added to q·k (FA3's hdim 64 x 512 kernels). ``cu_seqlens_k`` (B + 1,) with
         ``max_seqlen_k``, and no ``page_table`` / ``cache_seqlens``: k_cache / v_cache are
@@ -146,9 +149,7 @@ class KernelCall:
                 q_descale, k_descale, v_descale, softmax_scale, causal, window[0], window[1],
                 0, softcap, True, scheduler_metadata, num_splits, pack_gqa, 0, sinks,
             )  # fmt: skip
-            if lse is not None:
-                _copy_lse(lse, softmax_lse)
-            return
+            return _lse_out(lse, softmax_lse, q.shape[0], return_lse)
         if cu_seqlens_k is not None:
             raise UnsupportedConfigError(
                 f"{self.provider}'s flash_attn_with_kvcache cannot attend over dense K/V:",
@@ -185,18 +186,31 @@ class KernelCall:
             kwargs[name] = sinks
         if "fa_version" in self.wrapper_kwargs:
             kwargs["fa_version"] = 3
-        if lse is not None:
+        if lse is not None or return_lse:
             kwargs["return_softmax_lse"] = True  # backends refuse lse= when it is missing
         if "out" in self.wrapper_kwargs:
             result = self.fwd(q, k_cache, v_cache, out=out, **kwargs)
         else:
             result = self.fwd(q, k_cache, v_cache, **kwargs)
         # (out, softmax_lse, *rest) with return_softmax_lse, else the output alone.
-        if lse is not None:
-            _copy_lse(lse, result[1])
-            result = result[0]
+        softmax_lse = None
+        if lse is not None or return_lse:
+            result, softmax_lse = result[0], result[1]
         if "out" not in self.wrapper_kwargs:
             out.copy_(result)
+        return _lse_out(lse, softmax_lse, q.shape[0], return_lse)
+
+
+def _lse_out(
+    dest: torch.Tensor | None, softmax_lse: torch.Tensor | None, rows: int, view: bool
+) -> torch.Tensor | None:
+    """FA3's ``softmax_lse`` handed over as asked: copied into ``dest``, and/or returned as a
+    (rows, Hq) view when ``view``."""
+    if softmax_lse is None:
+        return None
+    if dest is not None:
+        _copy_lse(dest, softmax_lse)
+    return softmax_lse[:, :rows].t() if view else None
 
 
 def _copy_lse(dest: torch.Tensor, softmax_lse: torch.Tensor) -> None:

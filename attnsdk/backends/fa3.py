@@ -32,7 +32,8 @@ Tree verify (``AttentionMetadata.tree_mask``): FA3 takes no mask, so a tree step
 launches, as SGLang runs EAGLE topk > 1: a non-causal pass over each sequence's context and a
 non-causal pass in which each query row reads its visible draft tokens through a page table
 of slots over the cache viewed with pages of one token, merged by ``attnsdk.merge_states``
-(``attnsdk._tree``). Eager only (a captured plan has no mask), NHD caches with separate K and V.
+(``attnsdk._tree``) straight from FA3's own log-sum-exps. Eager only (a captured plan has no
+mask), NHD caches with separate K and V, a provider that returns the log-sum-exp.
 """
 
 from __future__ import annotations
@@ -315,6 +316,14 @@ class FA3Backend(DeviceStoreBackend):
         super().check_step(plan, cache)
         if plan.metadata.tree_mask is not None:
             _token_pools(cache)  # before anything is written
+            if not self._kernel.returns_lse:
+                raise UnsupportedConfigError(
+                    "the fa3 backend cannot serve a tree verify step with this FA3 provider:",
+                    [Reason(_CFG, "tree_mask",
+                            "its two passes are merged by their log-sum-exps, which "
+                            f"{self._kernel.provider}'s flash_attn_with_kvcache does not return: "
+                            f"use flash_attn_interface ({INSTALL_COMMAND})")],
+                )  # fmt: skip
 
     def attend(
         self,
@@ -350,11 +359,15 @@ class FA3Backend(DeviceStoreBackend):
         if meta.tree_mask is not None:
             passes = plan.tree if isinstance(plan, FA3Plan) else None
             self._attend_tree(
-                q, cache, passes or tree_passes(meta), layer, st, sinks, scales, out, lse
+                q, cache, plan, passes or tree_passes(meta), layer, st, sinks, scales, out, lse
             )
         else:
             precompute = self._precompute and st.latent is None  # as SGLang: none for MLA
-            scheduler = self._scheduler(plan, meta, layer, st) if precompute else None
+            scheduler = (
+                self._scheduler(plan, meta, layer, st, causal=st.causal, page_size=st.page_size)
+                if precompute
+                else None
+            )
             self._launch(q, cache.k_nhd, cache.v_nhd, out, meta, layer, st, st.causal,
                          sinks, scales, lse, scheduler)  # fmt: skip
         return out if dest is out else dest.copy_(out)
@@ -424,6 +437,7 @@ class FA3Backend(DeviceStoreBackend):
         self,
         q: torch.Tensor,
         cache: KVCache,
+        plan: Plan,
         passes: TreePasses,
         layer: LayerSpec,
         st: _Static,
@@ -433,24 +447,37 @@ class FA3Backend(DeviceStoreBackend):
         lse: torch.Tensor | None,
     ) -> None:
         """Tree verify (``attnsdk._tree``): the context pass and the draft pass (pages of one
-        token, the sinks counted there once), merged by their log-sum-exps."""
+        token, the sinks counted there once), merged by their log-sum-exps.
+
+        Eager verify at small batches is host-bound (docs/benchmarks.md, "Tree verify"), so
+        the passes allocate their outputs once, merge FA3's own log-sum-exps in place of
+        copies (``merge_states`` reads strides), use scheduler metadata made once per plan
+        like a plain step, and mask the context pass's lse only when a sequence has none."""
         t, hq = passes.drafts.num_tokens, layer.num_heads
         k_pool, v_pool = _token_pools(cache)
-        parts = [
-            (torch.empty(t, hq, layer.v_dim, dtype=out.dtype, device=out.device),
-             torch.empty(t, hq, dtype=torch.float32, device=out.device))
-            for _ in range(2)
-        ]  # fmt: skip
-        (out_a, lse_a), (out_b, lse_b) = parts
-        self._launch(q, cache.k_nhd, cache.v_nhd, out_a, passes.context, layer, st, False,
-                     None, scales, lse_a, None)  # fmt: skip
-        self._launch(q, k_pool, v_pool, out_b, passes.drafts, layer, st, False,
-                     sinks, scales, lse_b, None)  # fmt: skip
+        parts = torch.empty(2, t, hq, layer.v_dim, dtype=out.dtype, device=out.device)
+        runs = (
+            (cache.k_nhd, cache.v_nhd, passes.context, None, st.page_size, "tree-context"),
+            (k_pool, v_pool, passes.drafts, sinks, 1, "tree-drafts"),
+        )
+        lses: list[torch.Tensor] = []
+        for part, (k, v, meta, part_sinks, page_size, name) in zip(parts, runs, strict=True):
+            scheduler = (
+                self._scheduler(plan, meta, layer, st, causal=False, page_size=page_size, part=name)
+                if self._precompute and st.latent is None
+                else None
+            )
+            part_lse = self._launch(q, k, v, part, meta, layer, st, False, part_sinks, scales,
+                                    None, scheduler, return_lse=True)  # fmt: skip
+            assert part_lse is not None  # check_step refused providers without it
+            lses.append(part_lse)
+        lse_a, lse_b = lses
         # A pass that sees no key: -inf, whatever the kernel writes for an empty row.
-        lse_a.masked_fill_(passes.context_empty[:, None], float("-inf"))
+        if passes.some_context_empty:
+            lse_a.masked_fill_(passes.context_empty[:, None], float("-inf"))
         lse_b.masked_fill_(passes.drafts_empty[:, None], float("-inf"))
         merge_states(
-            out_a, lse_a, out_b, lse_b, out=out[:t], lse_out=None if lse is None else lse[:t]
+            parts[0], lse_a, parts[1], lse_b, out=out[:t], lse_out=None if lse is None else lse[:t]
         )
 
     def _launch(
@@ -467,9 +494,12 @@ class FA3Backend(DeviceStoreBackend):
         scales: tuple[torch.Tensor | None, torch.Tensor | None],
         lse: torch.Tensor | None,
         scheduler: torch.Tensor | None,
-    ) -> None:
+        *,
+        return_lse: bool = False,
+    ) -> torch.Tensor | None:
         """One FA3 launch over ``meta``'s batch; fp8 scales become (B, Hkv) descales. An MLA
-        layer splits q and the cache at the latent: rope parts as q / k, latent ones as qv / v."""
+        layer splits q and the cache at the latent: rope parts as q / k, latent ones as qv / v.
+        ``return_lse``: return FA3's own log-sum-exp as a (T, Hq) view (no copy)."""
         b, hkv = meta.num_seqs, layer.num_kv_heads
         k_descale, v_descale = (
             None if not st.quantized or x is None else x.reshape(1, -1).expand(b, hkv)
@@ -479,7 +509,7 @@ class FA3Backend(DeviceStoreBackend):
         if st.latent is not None:
             q, qv = q[..., st.latent :], q[..., : st.latent]
             k_cache, v_cache = k_cache[..., st.latent :], k_cache[..., : st.latent]
-        self._kernel(
+        return self._kernel(
             q,
             k_cache,
             v_cache,
@@ -501,6 +531,7 @@ class FA3Backend(DeviceStoreBackend):
             sinks=sinks,
             lse=lse,
             qv=qv,
+            return_lse=return_lse,
         )
 
     def _virtual(self, plan: Plan, chunk: int, page_size: int) -> AttentionMetadata:
@@ -530,9 +561,18 @@ class FA3Backend(DeviceStoreBackend):
         return found
 
     def _scheduler(
-        self, plan: Plan, meta: AttentionMetadata, layer: LayerSpec, st: _Static
+        self,
+        plan: Plan,
+        meta: AttentionMetadata,
+        layer: LayerSpec,
+        st: _Static,
+        *,
+        causal: bool,
+        page_size: int,
+        part: str = "step",
     ) -> torch.Tensor | None:
-        """FA3 scheduler metadata for this step and layer shape, computed once per plan.
+        """FA3 scheduler metadata for ``meta`` (the step, or one ``part`` of it: a tree pass)
+        and this layer shape, computed once per plan.
 
         A captured plan caches only while capturing (the computation is then part of the graph
         and reruns on replay); eager calls on a captured plan recompute, because the static
@@ -542,18 +582,19 @@ class FA3Backend(DeviceStoreBackend):
             return None
         capturing = plan.graph is not None and torch.cuda.is_current_stream_capturing()
         cacheable = plan.graph is None or capturing
-        found = plan.scheduler.get(st.key) if cacheable else None
+        key = (part, *st.key)
+        found = plan.scheduler.get(key) if cacheable else None
         if found is not None:
             return found
         sched = self._kernel.scheduler(
-            meta.num_seqs, meta.max_query_len, meta.page_table.shape[1] * st.page_size,
+            meta.num_seqs, meta.max_query_len, meta.page_table.shape[1] * page_size,
             layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_dim, st.q_dtype,
-            meta.seq_lens, meta.query_start_loc, None, None, None, None, st.page_size, 0,
-            st.causal, st.window[0], st.window[1], 0, st.softcap > 0,
+            meta.seq_lens, meta.query_start_loc, None, None, None, None, page_size, 0,
+            causal, st.window[0], st.window[1], 0, st.softcap > 0,
             self.options.num_splits, self.options.pack_gqa, 0,
         )  # fmt: skip
         if cacheable:
-            plan.scheduler[st.key] = sched
+            plan.scheduler[key] = sched
         return sched
 
 

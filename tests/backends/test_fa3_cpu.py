@@ -192,3 +192,36 @@ def test_graph_runner_validates_arguments(hopper: None) -> None:
         A.GraphRunner(backend, print, batch_sizes=[], max_pages=1, page_size=16)  # type: ignore[arg-type]
     with pytest.raises(A.InvalidInputError, match="device"):
         A.GraphRunner(backend, print, batch_sizes=[1], max_pages=1, page_size=16, device="cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["registered-op", "wrapper"])
+def test_kernel_call_hands_back_fa3s_lse(direct: bool) -> None:
+    """FA3 returns its log-sum-exp as (Hq, total_q). ``lse=`` copies it into a (T, Hq) buffer;
+    ``return_lse`` returns a (T, Hq) view of it instead, no copy (the tree passes merge those
+    views, ``merge_states`` reading strides); both on either calling route."""
+    t, hq, padded = 3, 2, 5
+    native = torch.arange(hq * padded, dtype=torch.float32).reshape(hq, padded)
+
+    def fwd(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+        if not direct:
+            assert kwargs["return_softmax_lse"] is True
+        return (torch.zeros(t, hq, 4), native)
+
+    names = frozenset({"return_softmax_lse", "out", "cache_seqlens", "page_table"})
+    call = _fa3_kernels.KernelCall("flash_attn_interface", direct, fwd, None, names)
+    q, out = torch.zeros(t, hq, 4), torch.zeros(t, hq, 4)
+    args = {
+        "cu_seqlens_q": torch.tensor([0, t], dtype=torch.int32), "cache_seqlens": None,
+        "page_table": None, "max_seqlen_q": t, "softmax_scale": 1.0, "causal": True,
+        "window": (-1, -1), "softcap": 0.0, "q_descale": None, "k_descale": None,
+        "v_descale": None, "scheduler_metadata": None, "num_splits": 1, "pack_gqa": None,
+        "sinks": None,
+    }  # fmt: skip
+    view = call(q, q, q, out, lse=None, return_lse=True, **args)
+    assert view is not None
+    assert view.shape == (t, hq)
+    assert view.data_ptr() == native.data_ptr()  # FA3's own buffer
+    assert torch.equal(view, native[:, :t].t())
+    dest = torch.empty(t, hq)
+    assert call(q, q, q, out, lse=dest, **args) is None
+    assert torch.equal(dest, native[:, :t].t())

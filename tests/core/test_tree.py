@@ -129,6 +129,40 @@ def test_fa3_refuses_a_tree_on_a_cache_without_token_rows(monkeypatch: pytest.Mo
     assert torch.equal(cache.k, batch.cache.k)
 
 
+def test_tree_passes_say_on_the_host_whether_a_sequence_has_no_context() -> None:
+    """The two-pass split (fa3) masks the context pass's lse only when some sequence has no
+    context: the host twins tell, and the device mask marks exactly its rows."""
+    from attnsdk._tree import tree_passes
+
+    mask = tree_mask_from_parents([[-1, 0, 0], [-1, 0]])
+    with_context = tree_passes(_meta(mask))
+    assert not with_context.some_context_empty
+    assert not bool(with_context.context_empty.any())
+    fresh = A.AttentionMetadata.from_seqlens([3, 2], [23, 2], [[1, 2], [3, 4]], 16, tree_mask=mask)
+    passes = tree_passes(fresh)  # the second sequence's drafts are all it has
+    assert passes.some_context_empty
+    assert passes.context_empty.tolist() == [False, False, False, True, True]
+    assert passes.drafts.seq_lens.tolist() == [1, 2, 2, 1, 2]
+
+
+def test_fa3_refuses_a_tree_with_a_provider_that_returns_no_lse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The passes are merged by their log-sum-exps: a wrapper without return_softmax_lse
+    cannot serve a tree, and says so before anything is written."""
+    kernel = fake_fa3(monkeypatch)
+    monkeypatch.setattr(type(kernel), "returns_lse", False)
+    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16)
+    layer = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
+    batch = make_batch(BatchSpec.verify(batch_size=2, draft_tokens=3), layer, layout, tree=True)
+    cache = batch.fresh_cache()
+    with pytest.raises(A.UnsupportedConfigError, match="log-sum-exp") as err:
+        batch.run(CPUFA3(), cache)
+    assert [r.field for r in err.value.reasons] == ["tree_mask"]
+    assert torch.equal(cache.k, batch.cache.k)
+    assert kernel.batch_sizes == []
+
+
 # -- served: against the float64 oracle --------------------------------------------------------
 
 
