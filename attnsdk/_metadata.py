@@ -169,7 +169,9 @@ class AttentionMetadata:
         """Metadata of a step whose keys come with the call, not from a cache
         (``forward_ragged``): sequence b has ``query_lens[b]`` query rows and ``seq_lens[b]`` key
         rows, packed in sequence order. No page table (B, 0) and no slots (-1): a paged
-        ``forward`` refuses it. ``device`` defaults to the CPU.
+        ``forward`` refuses it. ``device`` defaults to the CPU; on a CUDA device the lengths
+        move in one pinned, non-blocking copy, so building the step never syncs (an engine
+        builds one per step, ahead of the GPU).
 
         >>> meta = AttentionMetadata.for_ragged(query_lens=[2, 3], seq_lens=[2, 5])
         >>> meta.key_start_loc.tolist(), meta.query_start_loc.tolist()
@@ -177,13 +179,20 @@ class AttentionMetadata:
         """
         q, s = _lengths(query_lens, seq_lens, cross_attention)
         dev = torch.device("cpu") if device is None else check_device("device", device)
-        qsl, ksl = (torch.zeros(x.shape[0] + 1, dtype=torch.int32) for x in (q, s))
+        b = s.shape[0]
+        host = torch.zeros(3 * b + 2, dtype=torch.int32)  # [query_start_loc | seq_lens | keys]
+        qsl, s_host, ksl = host.split([b + 1, b, b + 1])
         torch.cumsum(q, 0, out=qsl[1:])
+        s_host.copy_(s)
         torch.cumsum(s, 0, out=ksl[1:])
+        # A blocking copy from pageable memory would wait for the GPU: pin, copy async.
+        cuda = dev.type == "cuda"
+        moved = (host.pin_memory() if cuda else host).to(dev, non_blocking=cuda)
+        qsl_dev, s_dev, ksl_dev = moved.split([b + 1, b, b + 1])
         return cls(
-            query_start_loc=qsl.to(dev),
-            seq_lens=s.to(dev),
-            page_table=torch.zeros(s.shape[0], 0, dtype=torch.int32, device=dev),
+            query_start_loc=qsl_dev,
+            seq_lens=s_dev,
+            page_table=torch.zeros(b, 0, dtype=torch.int32, device=dev),
             slot_mapping=torch.full((int(qsl[-1]),), -1, dtype=torch.int64, device=dev),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=s,
@@ -191,7 +200,7 @@ class AttentionMetadata:
             max_query_len=int(q.max()) if q.numel() else 0,
             max_seq_len=int(s.max()) if s.numel() else 0,
             cross_attention=_flag("cross_attention", cross_attention),
-            key_start_loc=ksl.to(dev),
+            key_start_loc=ksl_dev,
         )
 
     @classmethod

@@ -55,7 +55,8 @@ shard flex_rest "$FLEXC" -k "$FLEX_REST" &
 shard models tests/gpu/test_models_gpu.py &
 shard chunked tests/gpu/test_chunked_gpu.py &
 shard mla tests/gpu/test_conformance_flashinfer.py tests/gpu/test_conformance_fa3.py -k mla &
-shard ragged tests/gpu/test_conformance_flashinfer.py tests/gpu/test_conformance_fa3.py -k ragged &
+shard ragged tests/gpu/test_ragged_gpu.py tests/gpu/test_conformance_flashinfer.py \
+    tests/gpu/test_conformance_fa3.py -k ragged &
 shard fa3 tests/gpu/test_fa3.py tests/gpu/test_fuzz.py tests/gpu/test_graphs.py \
     tests/gpu/test_sglang_fa3.py tests/gpu/test_vllm_fa3.py tests/gpu/test_conformance_fa3.py &
 wait
