@@ -37,6 +37,7 @@ import torch
 from attnsdk import (
     AttentionMetadata,
     BackendUnavailableError,
+    InvalidInputError,
     InvalidMetadataError,
     LayerSpec,
     Plan,
@@ -87,6 +88,8 @@ class _StepPlans:
     metadata: Any
     new_tokens: Plan
     chunks: tuple[Plan, ...]
+    chunk_objects: tuple[Any, ...]
+    """vLLM's ``ContextChunk`` objects the chunk plans describe (a call names one of them)."""
 
 
 class AttnSDKMLAPrefillBackendBase:
@@ -169,7 +172,8 @@ class AttnSDKMLAPrefillBackendBase:
 
     def prepare_metadata(self, prefill_metadata: Any) -> None:
         """Once per step (vLLM's builder): plan the new tokens and every context chunk from
-        host lengths (``query_lens_cpu``, each chunk's ``seq_lens``), no sync."""
+        host lengths (``query_lens_cpu``, each chunk's host ``seq_lens``); ``for_ragged`` moves
+        them in one pinned, non-blocking copy per plan, so nothing syncs."""
         super().prepare_metadata(prefill_metadata)  # type: ignore[misc]
         query_lens = prefill_metadata.query_lens_cpu
         if query_lens is None:
@@ -182,6 +186,7 @@ class AttnSDKMLAPrefillBackendBase:
         plan = self.backend.plan
         new_tokens = plan(AttentionMetadata.for_ragged(query_lens, query_lens, device=device))
         context = prefill_metadata.chunked_context
+        objects = tuple(context.chunks) if context is not None else ()
         chunks = tuple(
             plan(
                 AttentionMetadata.for_ragged(
@@ -191,9 +196,9 @@ class AttnSDKMLAPrefillBackendBase:
                     cross_attention=True,
                 )
             )
-            for chunk in (context.chunks if context is not None else ())
+            for chunk in objects
         )
-        self._plans = _StepPlans(prefill_metadata, new_tokens, chunks)
+        self._plans = _StepPlans(prefill_metadata, new_tokens, chunks, objects)
 
     def run_prefill_new_tokens(
         self,
@@ -222,14 +227,22 @@ class AttnSDKMLAPrefillBackendBase:
         v: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The queries of ``chunk``'s requests over its context keys, no mask; a request with
-        no keys in the chunk gets zeros and a log-sum-exp of -inf (vLLM's merge drops it)."""
-        chunks = self._step().chunks
-        if not 0 <= chunk.index < len(chunks):
+        """The queries of ``chunk``'s requests over its context keys, no mask, and the
+        log-sum-exp (heads, tokens). A request without keys in the chunk would get zeros and an
+        lse of -inf (vLLM's chunk planner leaves such requests out)."""
+        step = self._step()
+        index = getattr(chunk, "index", None)
+        if not isinstance(index, int) or not 0 <= index < len(step.chunks):
             raise InvalidMetadataError(
-                "chunk.index", f"one of the {len(chunks)} planned context chunks", chunk.index
+                "chunk.index", f"one of the {len(step.chunks)} planned context chunks", index
             )
-        result = self._attend(q, k, v, chunks[chunk.index], self.context_layer, out, True)
+        if step.chunk_objects[index] is not chunk:
+            raise InvalidMetadataError(
+                "chunk",
+                "a context chunk of the prefill metadata prepare_metadata planned",
+                f"another chunk {index}",
+            )
+        result = self._attend(q, k, v, step.chunks[index], self.context_layer, out, True)
         assert isinstance(result, tuple)
         return result
 
@@ -253,6 +266,10 @@ class AttnSDKMLAPrefillBackendBase:
         out: torch.Tensor | None,
         want_lse: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        rows = plan.metadata.num_tokens
+        if q.shape[0] != rows:  # more rows would come back unwritten
+            raise InvalidInputError("q.shape[0]", f"{rows} (the rows this part was planned for)",
+                                    q.shape[0])  # fmt: skip
         lse = (
             torch.empty(q.shape[0], layer.num_heads, dtype=torch.float32, device=q.device)
             if want_lse

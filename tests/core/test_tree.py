@@ -163,6 +163,72 @@ def test_fa3_refuses_a_tree_with_a_provider_that_returns_no_lse(
     assert kernel.batch_sizes == []
 
 
+def test_fa3_tree_passes_get_scheduler_metadata_once_per_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With FA3's scheduler op, both passes of a tree step get scheduler metadata (non-causal;
+    pages of the cache, then pages of one token), made at the first layer of the plan and
+    reused by the next, and each launch gets its own pass's."""
+    kernel = fake_fa3(monkeypatch)
+    made: list[tuple[object, ...]] = []
+    given: list[object] = []
+
+    def scheduler(*args: object) -> torch.Tensor:
+        made.append(args)
+        return torch.tensor([len(made)])
+
+    real_call = type(kernel).__call__
+
+    def call(self: object, *args: object, **kw: object) -> object:
+        given.append(kw["scheduler_metadata"])
+        return real_call(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernel, "scheduler", scheduler, raising=False)
+    monkeypatch.setattr(type(kernel), "__call__", call)
+    backend = CPUFA3()
+    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16)
+    layer = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
+    batch = make_batch(BatchSpec.verify(batch_size=2, draft_tokens=3), layer, layout, tree=True)
+    cache = batch.fresh_cache()
+    plan = backend.plan(batch.metadata)
+    for _ in range(2):  # two layers of one step
+        backend.forward(batch.q, batch.k, batch.v, cache, plan, layer)
+    # get_scheduler_metadata's page_size and causal arguments, per pass
+    assert [(args[14], args[16]) for args in made] == [(16, False), (1, False)]
+    assert [int(t) for t in given] == [1, 2, 1, 2]  # type: ignore[call-overload]
+
+
+def test_fa3_tree_does_not_read_what_the_kernel_leaves_in_empty_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sequence with no context gives its rows an empty context pass. Whatever a kernel
+    leaves there (here: NaN output, +inf log-sum-exp) must not reach the merged result."""
+    kernel = fake_fa3(monkeypatch)
+    real_call = type(kernel).__call__
+
+    def call(self: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, **kw: object) -> object:  # fmt: skip
+        native = real_call(self, q, k, v, out, **kw)  # type: ignore[arg-type]
+        lens, qsl = kw["cache_seqlens"], kw["cu_seqlens_q"]
+        for b in torch.nonzero(lens == 0).flatten().tolist():  # type: ignore[operator]
+            rows = slice(int(qsl[b]), int(qsl[b + 1]))  # type: ignore[index]
+            out[rows] = float("nan")
+            if native is not None:
+                native[rows] = float("inf")
+        return native
+
+    monkeypatch.setattr(type(kernel), "__call__", call)
+    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16)
+    layer = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
+    spec = BatchSpec((3, 2, 4), (3, 22, 9), "verify")  # the first sequence has no context
+    batch = make_batch(spec, layer, layout, tree=True, seed=4)
+    want, _ = batch.run(reference)
+    got, _ = batch.run(CPUFA3())
+    n = batch.metadata.num_tokens
+    assert bool(got[:n].isfinite().all())
+    assert_close_to_reference(got[:n], want[:n], atol=2e-2, rtol=2e-2)
+
+
 # -- served: against the float64 oracle --------------------------------------------------------
 
 

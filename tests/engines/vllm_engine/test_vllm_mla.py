@@ -398,23 +398,33 @@ def test_random_prefill_steps_on_attnsdk() -> None:
 
 
 def test_prefill_calls_reach_the_attnsdk_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One plan per part per step (not per layer call), the expanded layer's dims, and the
-    result used: zeroing the context chunks' output shows in the layer's output."""
+    """The step's plans are made by the builder (``prepare_metadata``), one per part, none in
+    the attention calls; the expanded layer's dims; and the result used: zeroing the context
+    chunks' output shows in the layer's output."""
     model = Model(prefill=RefMLAPrefill, workspace=32)
     backend = model.builder._prefill_backend
     assert isinstance(backend, RefMLAPrefill)
     calls: list[tuple[A.LayerSpec, A.AttentionMetadata]] = []
-    real = backend.backend.forward_ragged
+    plans: list[tuple[int, A.AttentionMetadata]] = []  # (attention calls before it, metadata)
+    real, real_plan = backend.backend.forward_ragged, backend.backend.plan
 
     def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: A.Plan,
             layer: A.LayerSpec, **kw: Any) -> torch.Tensor:  # fmt: skip
         calls.append((layer, plan.metadata))
         return real(q, k, v, plan, layer, **kw)
 
+    def plan_spy(meta: A.AttentionMetadata) -> A.Plan:
+        if meta.key_start_loc is not None:  # the decode drop-in shares the backend: not its plan
+            plans.append((len(calls), meta))
+        return real_plan(meta)
+
     monkeypatch.setattr(backend.backend, "forward_ragged", spy)
+    monkeypatch.setattr(backend.backend, "plan", plan_spy)
     seq_lens, query_lens = [40, 70], [1, 6]  # a decode, then a prefill over 64 cached tokens
     result = model.step(seq_lens, query_lens, seed=4)
     _close(result["out"], result["want"])
+    assert [before for before, _ in plans] == [0, 0, 0]  # new tokens + 2 chunks, all at build
+    assert [meta for _, meta in plans] == [meta for _, meta in calls]
     (new_layer, new_meta), *chunk_calls = calls
     assert (new_layer.head_dim, new_layer.v_dim, new_layer.num_heads) == (NOPE + ROPE, DV, H)
     assert new_layer.causal
@@ -460,8 +470,9 @@ def test_prefill_registration_and_selection() -> None:
 
 def test_prefill_refusals() -> None:
     """Fused fp8 output is refused naming ``output_scale``; a prefill without this step's
-    ``prepare_metadata`` is refused rather than run on another step's plans."""
-    model = Model(prefill=RefMLAPrefill)
+    ``prepare_metadata``, a chunk that is not one of the planned ones and query rows other
+    than the planned ones are refused rather than run on the wrong plan."""
+    model = Model(prefill=RefMLAPrefill, workspace=32)
     backend = model.builder._prefill_backend
     q = torch.zeros(3, H, NOPE + ROPE, dtype=DTYPE)
     k, v = torch.zeros_like(q), torch.zeros(3, H, DV, dtype=DTYPE)
@@ -470,11 +481,47 @@ def test_prefill_refusals() -> None:
     model.step([3], [3], seed=0)
     with pytest.raises(A.UnsupportedConfigError, match="output_scale"):
         backend.run_prefill_new_tokens(q, k, v, False, output_scale=torch.ones(()))
+    with pytest.raises(A.InvalidInputError, match=r"q\.shape\[0\]"):
+        backend.run_prefill_new_tokens(torch.zeros(4, H, NOPE + ROPE, dtype=DTYPE), k, v, False)
     out = backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
     assert isinstance(out, tuple)
     assert out[0].shape == (3, H, DV)
     assert out[1].shape == (H, 3)
     assert out[1].is_contiguous()
+    old = model.step([50], [3], seed=1)["md"].prefill.chunked_context.chunks[0]
+    model.step([60], [3], seed=2)  # a new step: new chunk objects and plans
+    with pytest.raises(A.InvalidMetadataError, match="chunk"):
+        backend.run_prefill_context_chunk(old, q, k, v)
+
+
+def test_prefill_writes_into_vllms_out() -> None:
+    """``supports_out()``: given ``out`` (vLLM's Kimi path writes chunks straight into its
+    accumulator), both calls write there and return that buffer, with the values they return
+    without it."""
+    model = Model(prefill=RefMLAPrefill, workspace=32)
+    backend = model.builder._prefill_backend
+    assert backend.supports_out()
+    md = model.step([70], [5], seed=3)["md"]
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(5, H, NOPE + ROPE, generator=gen).to(DTYPE)
+    k_new, v_new = (
+        torch.randn(5, H, NOPE + ROPE, generator=gen).to(DTYPE),
+        torch.randn(5, H, DV, generator=gen).to(DTYPE),
+    )
+    chunk = md.prefill.chunked_context.chunks[0]
+    keys = int(chunk.seq_lens.sum())
+    k_ctx = torch.randn(keys, H, NOPE + ROPE, generator=gen).to(DTYPE)
+    v_ctx = torch.randn(keys, H, DV, generator=gen).to(DTYPE)
+    for call in (
+        lambda out: backend.run_prefill_new_tokens(q, k_new, v_new, True, out=out),
+        lambda out: backend.run_prefill_context_chunk(chunk, q, k_ctx, v_ctx, out=out),
+    ):
+        want, want_lse = call(None)
+        out = torch.full((5, H, DV), float("nan"), dtype=DTYPE)
+        got, lse = call(out)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(out, want)
+        assert torch.equal(lse, want_lse)
 
 
 # --- fp8 latent caches ------------------------------------------------------------------------
