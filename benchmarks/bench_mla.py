@@ -12,9 +12,12 @@ table, not through the backend:
 - fa3: ``flash_attn_with_kvcache(q=q_rope, k_cache=rope, v_cache=latent, qv=q_nope)``, which
   needs an FA3 build with the hdim 64 x 512 kernels (the row then says why not).
 
-    python -m benchmarks.bench_mla [--out DIR] [--backend flashinfer,fa3] [--quick]
+    python -m benchmarks.bench_mla [--out DIR] [--backend flashinfer,fa3] [--quick] [--fp8]
 
-Writes DIR/mla.json and DIR/mla.png. Needs CUDA.
+``--fp8``: an e4m3 latent cache read with its scale. The SDK applies the scale on the device
+(q times it before the kernel, the output after); the raw call passes it to FlashInfer as host
+floats (``ckv_scale`` / ``kpe_scale``). Writes DIR/mla.json and DIR/mla.png (``mla_fp8`` with
+``--fp8``). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def cases(quick: bool) -> list[tuple[int, int, int]]:
 
 
 def raw_call(name: str, batch: Any, q: torch.Tensor, out: torch.Tensor) -> Any:
-    """The kernel alone, over the batch's cache and page table, built without the backend."""
+    """The kernel alone, over the batch's cache and page table, built without the backend
+    (an fp8 latent's scale as the host floats FlashInfer takes)."""
     meta, cache = batch.metadata, batch.cache
     kv = cache.k.squeeze(2)  # (N, P, 576)
     if name == "flashinfer":
@@ -62,7 +66,10 @@ def raw_call(name: str, batch: Any, q: torch.Tensor, out: torch.Tensor) -> Any:
             num_heads=q.shape[1], head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=PAGE,
             causal=True, sm_scale=SCALE, q_data_type=q.dtype, kv_data_type=kv.dtype,
         )  # fmt: skip
-        return lambda: w.run(query=q, kv_cache=kv, out=out)
+        if batch.k_scale is None:
+            return lambda: w.run(query=q, kv_cache=kv, out=out)
+        scale = float(batch.k_scale)  # read once here: a raw caller's host float
+        return lambda: w.run(query=q, kv_cache=kv, out=out, ckv_scale=scale, kpe_scale=scale)
     from flash_attn_interface import flash_attn_with_kvcache
 
     k4 = cache.k  # (N, P, 1, 576)
@@ -73,10 +80,13 @@ def raw_call(name: str, batch: Any, q: torch.Tensor, out: torch.Tensor) -> Any:
     )  # fmt: skip
 
 
-def run_case(name: str, heads: int, bs: int, ctx: int, copy_gbs: float) -> dict[str, Any]:
+def run_case(
+    name: str, heads: int, bs: int, ctx: int, copy_gbs: float, fp8: bool = False
+) -> dict[str, Any]:
     layer = A.LayerSpec.for_mla(heads, scale=SCALE)
-    layout = A.KVCacheLayout.for_mla(PAGE)
-    row: dict[str, Any] = {"backend": name, "heads": heads, "bs": bs, "ctx": ctx}
+    layout = A.KVCacheLayout.for_mla(PAGE, kv_dtype=torch.float8_e4m3fn if fp8 else None)
+    kv = "fp8-e4m3" if fp8 else "bf16"
+    row: dict[str, Any] = {"backend": name, "heads": heads, "bs": bs, "ctx": ctx, "kv": kv}
     backend = A.create_backend(name, device="cuda")
     reasons = backend.unsupported_reasons(layer, layout, "cuda")
     if reasons:
@@ -90,7 +100,7 @@ def run_case(name: str, heads: int, bs: int, ctx: int, copy_gbs: float) -> dict[
     raw_out = torch.empty_like(out)
 
     def sdk() -> object:
-        return backend.forward(q, None, None, cache, plan, layer, out=out)
+        return backend.forward(q, None, None, cache, plan, layer, out=out, k_scale=batch.k_scale)
 
     raw = raw_call(name, batch, q, raw_out)
     sdk()
@@ -98,7 +108,9 @@ def run_case(name: str, heads: int, bs: int, ctx: int, copy_gbs: float) -> dict[
     if name == "fa3":
         raw_out = result
     reference = A.create_backend("reference")
-    want = reference.forward(q, None, None, cache, reference.plan(batch.metadata), layer)
+    want = reference.forward(
+        q, None, None, cache, reference.plan(batch.metadata), layer, k_scale=batch.k_scale
+    )
     kv_bytes = bs * ctx * (RANK + ROPE) * cache.k.element_size()
     row.update(
         max_abs_err=float((out.float() - want.float()).abs().max()),
@@ -131,7 +143,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.bar([i + 0.2 for i in x], [r["raw_graph_frac_of_copy"] for r in done], 0.4, label="raw")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("fraction of copy bandwidth (graph)")
-    ax.set_title("MLA decode (512 + 64 latent, bf16, page 64)")
+    kv = done[0]["kv"] if done else "bf16"
+    ax.set_title(f"MLA decode (512 + 64 latent, {kv}, page 64)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -143,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/mla"))
     parser.add_argument("--backend", default="flashinfer,fa3")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="an e4m3 latent cache")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_mla needs CUDA: MLA kernels are GPU kernels")
@@ -151,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.backend.split(","):
         for heads, bs, ctx in cases(args.quick):
-            rows.append(run_case(name, heads, bs, ctx, ceilings.copy_gbs))
+            rows.append(run_case(name, heads, bs, ctx, ceilings.copy_gbs, args.fp8))
             print(json.dumps(rows[-1]), flush=True)
     print(f"copy ceiling {ceilings.copy_gbs:.0f} GB/s")
     print(
@@ -171,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['max_abs_err']:7.1e}"
         )
     write_results(
-        args.out, "mla", rows, plot,
-        copy_gbs=ceilings.copy_gbs, seconds=time.perf_counter() - start,
+        args.out, "mla_fp8" if args.fp8 else "mla", rows, plot,
+        copy_gbs=ceilings.copy_gbs, seconds=time.perf_counter() - start, fp8=args.fp8,
     )  # fmt: skip
 
 

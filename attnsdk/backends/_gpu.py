@@ -66,11 +66,16 @@ def first_present(names: Iterable[str]) -> str | None:
 
 
 def mla_kernel_reasons(
-    layer: LayerSpec | None, layout: KVCacheLayout | None, kernel: str, fp8_why: str
+    layer: LayerSpec | None,
+    layout: KVCacheLayout | None,
+    kernel: str,
+    fp8_why: str,
+    fp8_ok: frozenset[torch.dtype] = frozenset(),
 ) -> list[Reason]:
     """What the MLA kernels of the GPU backends (FA3's qv path, FlashInfer's MLA wrapper) take
     beyond their dims: no window, softcap, sinks or chunks (none of them has these), and a
-    bf16 / fp16 latent cache (``fp8_why`` says why not fp8). ``kernel`` names the kernel."""
+    bf16 / fp16 latent cache, or one of the ``fp8_ok`` storage dtypes (``fp8_why`` says why
+    not the others). ``kernel`` names the kernel."""
     cfg = ReasonKind.CONFIGURATION
     reasons = []
     if layer is not None:
@@ -82,7 +87,7 @@ def mla_kernel_reasons(
         ):
             if wanted:
                 reasons.append(Reason(cfg, name, f"is not served with mla=True ({kernel})"))
-    if layout is not None and layout.is_quantized:
+    if layout is not None and layout.is_quantized and layout.storage_dtype not in fp8_ok:
         reasons.append(
             Reason(
                 cfg,

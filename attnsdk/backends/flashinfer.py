@@ -36,7 +36,8 @@ capture, follows the average query length.
 
 fp8 KV (e4m3 / e5m2, bf16 or fp16 q): FlashInfer would take ``k_scale`` / ``v_scale`` as host
 floats (a device read per layer). Instead q is multiplied by ``k_scale`` before the kernel and
-the output by ``v_scale`` after it, on the device, which also serves per-KV-head scales.
+the output by ``v_scale`` after it, on the device, which also serves per-KV-head scales. An
+MLA layer's e4m3 latent (Hopper only, bf16 q) is read the same way with its one scale.
 
 Importing this module imports no kernel library; ``FlashInferBackend(...)`` imports flashinfer.
 """
@@ -325,11 +326,16 @@ class FlashInferBackend(DeviceStoreBackend):
         if layout is not None:
             dims = {"head_dim": layout.head_dim, "v_head_dim": layout.v_dim}
         if is_mla(layer, layout):
-            return reasons + mla_kernel_reasons(
-                layer,
-                layout,
-                "FlashInfer's MLA wrapper",
-                "FlashInfer's MLA wrapper takes fp8 scales as host floats (not served yet)",
+            return (
+                reasons
+                + mla_kernel_reasons(
+                    layer,
+                    layout,
+                    "FlashInfer's MLA wrapper",
+                    "FlashInfer's MLA wrapper reads an e4m3 latent only",
+                    fp8_ok=frozenset({torch.float8_e4m3fn}),
+                )
+                + _fp8_mla_reasons(layout)
             )  # its dims: ``mla_dims``
         for name, d in dims.items():
             if d not in _HEAD_DIMS:
@@ -380,17 +386,27 @@ class FlashInferBackend(DeviceStoreBackend):
             and not layer.has_sinks
             and layer.head_dim == layer.v_dim  # else the prefill wrapper decodes it
         )
-        if options.mla_backend == "fa3" and device.type == "cuda" and is_mla(layer, layout):
+        if device.type == "cuda" and is_mla(layer, layout):
             cc = compute_capability(device)
             if cc is not None and cc[0] != 9:
-                return [
-                    Reason(
-                        _CFG,
-                        "mla_backend",
-                        f"'fa3' needs a Hopper GPU (sm 9.x), found sm {cc[0]}.{cc[1]}: use "
-                        "'auto' or 'fa2'",
-                    )
-                ]
+                if options.mla_backend == "fa3":
+                    return [
+                        Reason(
+                            _CFG,
+                            "mla_backend",
+                            f"'fa3' needs a Hopper GPU (sm 9.x), found sm {cc[0]}.{cc[1]}: use "
+                            "'auto' or 'fa2'",
+                        )
+                    ]
+                if layout is not None and layout.is_quantized:
+                    return [
+                        Reason(
+                            _CFG,
+                            "kv_dtype",
+                            f"an fp8 latent needs a Hopper GPU (sm 9.x) in FlashInfer's MLA "
+                            f"wrapper, found sm {cc[0]}.{cc[1]}",
+                        )
+                    ]
         if not cuda_cores or layer is None or layer.group_size in _CUDA_CORE_GROUPS:
             return []
         return [
@@ -801,7 +817,10 @@ class FlashInferBackend(DeviceStoreBackend):
         wrapper, kind = planned
         csr = plan.csr[(kind == "decode", variant.page_size, variant.chunk)].host
         if kind == "mla":
-            return self._attend_mla(wrapper, q, cache, csr.num_q_rows, out, lse, plan.graph)
+            return self._attend_mla(
+                wrapper, q, cache, csr.num_q_rows, out, lse, plan.graph,
+                variant.quantized, k_scale,
+            )  # fmt: skip
         rows = csr.num_q_rows if kind == "prefill" else csr.num_rows
         q = q[:rows]
         if q.stride(-1) != 1 or not q.is_contiguous():
@@ -918,10 +937,21 @@ class FlashInferBackend(DeviceStoreBackend):
         out: torch.Tensor,
         lse: torch.Tensor | None,
         graph: GraphBuffers | None,
+        quantized: bool = False,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """FlashInfer's MLA wrapper: q (rows, Hq, 576) packed, the latent cache (N, P, 576)."""
+        """FlashInfer's MLA wrapper: q (rows, Hq, 576) packed, the latent cache (N, P, 576).
+
+        An e4m3 latent (``quantized``) is read with unit scales (FlashInfer takes them as host
+        floats) and its ``scale``, if any, applied on the device instead, as for fp8 KV: K and
+        V are both the latent times ``scale``, so q is multiplied by it before the kernel (the
+        scores, hence the lse, come out exact) and the output after it."""
         q = q[:rows]
-        if not q.is_contiguous():
+        # One KV head, one scale: a 0-dim factor keeps q's dtype (fp32 math, one kernel each).
+        factor = None if scale is None else scale.reshape(())
+        if factor is not None:
+            q = q * factor
+        elif not q.is_contiguous():
             q = q.contiguous()
         dest = out[:rows]
         o = dest if dest.is_contiguous() else torch.empty_like(dest)
@@ -934,6 +964,7 @@ class FlashInferBackend(DeviceStoreBackend):
             else:
                 lse = torch.empty(q.shape[0], q.shape[1], device=q.device)
         lse_rows = lse[: q.shape[0]]
+        unit = {"ckv_scale": 1.0, "kpe_scale": 1.0} if quantized else {}
         wrapper.run(
             query=q,
             kv_cache=cache.k.squeeze(2),
@@ -941,7 +972,10 @@ class FlashInferBackend(DeviceStoreBackend):
             lse=lse_rows,
             return_lse=True,
             return_lse_base_on_e=True,
+            **unit,
         )
+        if factor is not None:
+            o.mul_(factor)
         if o is not dest:
             dest.copy_(o)
         return out
@@ -981,6 +1015,20 @@ def _check_mla_cluster(captured: FlashInferPlan, meta: AttentionMetadata) -> Non
                     )
                 ],
             )
+
+
+def _fp8_mla_reasons(layout: KVCacheLayout | None) -> list[Reason]:
+    """FlashInfer's MLA wrapper reads an e4m3 latent with bf16 queries only."""
+    if layout is None or not layout.is_quantized or layout.dtype == torch.bfloat16:
+        return []
+    return [
+        Reason(
+            _CFG,
+            "dtype",
+            f"must be torch.bfloat16 over an fp8 latent (FlashInfer's MLA wrapper), found "
+            f"{layout.dtype}",
+        )
+    ]
 
 
 def _per_kv_head(x: torch.Tensor, scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -554,7 +554,7 @@ class BackendConformance:
     # -- CUDA graphs ----------------------------------------------------------------------------
 
     @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
-    @pytest.mark.parametrize("feature", ["gqa", "chunked", "mla", "mla-small"])
+    @pytest.mark.parametrize("feature", ["gqa", "chunked", "mla", "mla-small", "mla-fp8"])
     @pytest.mark.parametrize("tokens_per_seq", [1, 3])
     def test_graph_replay_equals_eager(
         self, subject: Backend, tokens_per_seq: int, feature: str, with_lse: bool

@@ -408,7 +408,16 @@ class _FakeMLA:
         assert query.shape[-1] == kv_cache.shape[-1]
         assert kv_cache.dim() == 3
         assert kv_cache.shape[1] == self.kw["page_size"]
-        assert kv_cache.dtype == self.kw["kv_data_type"] == query.dtype
+        assert kv_cache.dtype == self.kw["kv_data_type"]
+        assert query.dtype == self.kw["q_data_type"]
+        scales = (1.0, 1.0)
+        if kv_cache.dtype == torch.float8_e4m3fn:  # FlashInfer: host-float scales, bf16 q
+            assert query.dtype == torch.bfloat16
+            scales = (float(kw.pop("ckv_scale")), float(kw.pop("kpe_scale")))
+        else:
+            assert kv_cache.dtype == query.dtype
+            assert "ckv_scale" not in kw
+            assert "kpe_scale" not in kw
         assert kw["return_lse_base_on_e"] == (self.kw["lse_mode"] == "basee")
         out, lse = kw["out"], kw["lse"]
         assert out.is_contiguous()
@@ -420,6 +429,7 @@ class _FakeMLA:
                 continue
             idx = self.indices[kv[r] : kv[r + 1]].long()
             keys = kv_cache[idx].reshape(-1, kv_cache.shape[-1])[:n].float()
+            keys = torch.cat((keys[:, :ckv] * scales[0], keys[:, ckv:] * scales[1]), -1)
             s = torch.einsum("qhd,kd->hqk", rows, keys) * self.kw["sm_scale"]
             if self.kw["causal"]:
                 pos = n - rows.shape[0] + torch.arange(rows.shape[0])[:, None]
@@ -891,3 +901,24 @@ def test_more_live_ragged_plans_than_the_pool_replan_correctly(
             assert_close_to_reference(fake.forward_ragged(q, k, v, plan, layer), w)
     assert len({wrapper for _, wrapper in _Calls.plans}) == 2
     assert len(_Calls.plans) == 6  # three live plans over two wrappers: every use re-plans
+
+
+def test_fp8_mla_is_served_on_hopper_with_bf16_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer's MLA wrapper reads an e4m3 latent on Hopper with bf16 queries only: off
+    Hopper, with fp16 queries or an e5m2 latent the layer is refused naming the field."""
+    monkeypatch.setattr(fi_module, "module_present", lambda name: True)
+    layer = A.LayerSpec.for_mla(16)
+
+    def reasons(cc: tuple[int, int], dtype: torch.dtype, kv: torch.dtype) -> set[str]:
+        monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: cc)
+        monkeypatch.setattr(fi_module, "compute_capability", lambda device=None: cc)
+        layout = A.KVCacheLayout.for_mla(64, dtype=dtype, kv_dtype=kv)
+        return {r.field for r in FlashInferBackend.reasons_for(layer, layout, "cuda")}
+
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    assert reasons((9, 0), bf16, e4m3) == set()
+    assert reasons((9, 0), bf16, bf16) == set()
+    assert reasons((10, 0), bf16, e4m3) == {"kv_dtype"}
+    assert reasons((10, 0), bf16, bf16) == set()
+    assert reasons((9, 0), torch.float16, e4m3) == {"dtype"}
+    assert reasons((9, 0), bf16, torch.float8_e5m2) == {"kv_dtype"}
