@@ -819,7 +819,7 @@ class FlashInferBackend(DeviceStoreBackend):
         if kind == "mla":
             return self._attend_mla(
                 wrapper, q, cache, csr.num_q_rows, out, lse, plan.graph,
-                variant.quantized, k_scale,
+                variant.quantized, k_scale if variant.quantized else None,
             )  # fmt: skip
         rows = csr.num_q_rows if kind == "prefill" else csr.num_rows
         q = q[:rows]
