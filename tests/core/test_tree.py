@@ -16,7 +16,7 @@ import attnsdk as A
 from attnsdk import tree_mask_from_parents
 from attnsdk.backends.flex import FlexBackend, FlexOptions
 from attnsdk.backends.reference import ReferenceBackend
-from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
+from attnsdk.testing import Batch, BatchSpec, assert_close_to_reference, make_batch
 
 LAYER = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=32)
 LAYOUT = A.KVCacheLayout(2, 32, 16, dtype=torch.float32)
@@ -117,11 +117,20 @@ def test_routed_declares_trees_when_every_route_serves_them() -> None:
     assert A.Feature.TREE_MASK in both.capabilities.features
 
 
+FA3_LAYER = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
+"""A layer the fake FA3 kernel (bf16) serves; the fa3 tests below run tree steps of it."""
+
+
+def _fa3_tree_batch(spec: BatchSpec | None = None, order: str = "NHD", seed: int = 0) -> Batch:
+    """A bf16 tree-verify batch of ``FA3_LAYER`` (two sequences of 3 drafts by default)."""
+    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16, order=order)
+    spec = spec or BatchSpec.verify(batch_size=2, draft_tokens=3)
+    return make_batch(spec, FA3_LAYER, layout, tree=True, seed=seed)
+
+
 def test_fa3_refuses_a_tree_on_a_cache_without_token_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_fa3(monkeypatch)
-    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16, order="HND")
-    layer = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
-    batch = make_batch(BatchSpec.verify(batch_size=2, draft_tokens=3), layer, layout, tree=True)
+    batch = _fa3_tree_batch(order="HND")
     cache = batch.fresh_cache()
     with pytest.raises(A.UnsupportedConfigError, match="tree verify") as err:
         batch.run(CPUFA3(), cache)
@@ -152,9 +161,7 @@ def test_fa3_refuses_a_tree_with_a_provider_that_returns_no_lse(
     cannot serve a tree, and says so before anything is written."""
     kernel = fake_fa3(monkeypatch)
     monkeypatch.setattr(type(kernel), "returns_lse", False)
-    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16)
-    layer = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
-    batch = make_batch(BatchSpec.verify(batch_size=2, draft_tokens=3), layer, layout, tree=True)
+    batch = _fa3_tree_batch()
     cache = batch.fresh_cache()
     with pytest.raises(A.UnsupportedConfigError, match="log-sum-exp") as err:
         batch.run(CPUFA3(), cache)
@@ -186,13 +193,11 @@ def test_fa3_tree_passes_get_scheduler_metadata_once_per_plan(
     monkeypatch.setattr(kernel, "scheduler", scheduler, raising=False)
     monkeypatch.setattr(type(kernel), "__call__", call)
     backend = CPUFA3()
-    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16)
-    layer = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
-    batch = make_batch(BatchSpec.verify(batch_size=2, draft_tokens=3), layer, layout, tree=True)
+    batch = _fa3_tree_batch()
     cache = batch.fresh_cache()
     plan = backend.plan(batch.metadata)
     for _ in range(2):  # two layers of one step
-        backend.forward(batch.q, batch.k, batch.v, cache, plan, layer)
+        backend.forward(batch.q, batch.k, batch.v, cache, plan, FA3_LAYER)
     # get_scheduler_metadata's page_size and causal arguments, per pass
     assert [(args[14], args[16]) for args in made] == [(16, False), (1, False)]
     assert [int(t) for t in given] == [1, 2, 1, 2]  # type: ignore[call-overload]
@@ -218,10 +223,8 @@ def test_fa3_tree_does_not_read_what_the_kernel_leaves_in_empty_rows(
         return native
 
     monkeypatch.setattr(type(kernel), "__call__", call)
-    layout = A.KVCacheLayout(2, 64, 16, dtype=torch.bfloat16)
-    layer = A.LayerSpec(num_heads=8, num_kv_heads=2, head_dim=64)
     spec = BatchSpec((3, 2, 4), (3, 22, 9), "verify")  # the first sequence has no context
-    batch = make_batch(spec, layer, layout, tree=True, seed=4)
+    batch = _fa3_tree_batch(spec, seed=4)
     want, _ = batch.run(reference)
     got, _ = batch.run(CPUFA3())
     n = batch.metadata.num_tokens
