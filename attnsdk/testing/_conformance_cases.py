@@ -58,6 +58,7 @@ FEATURES: dict[str, FeatureCase] = {
     "noncausal": FeatureCase({**_GQA, "causal": False}),
     "noncausal-window": FeatureCase({**_GQA, "causal": False, "sliding_window": 9}),
     "softcap": FeatureCase({**_GQA, "softcap": 2.0}),
+    "scale": FeatureCase({**_GQA, "scale": 0.3}),
     "sinks": FeatureCase({**_GQA, "has_sinks": True}),
     "sinks-window": FeatureCase({**_GQA, "has_sinks": True, "sliding_window": 9}),
     "v-head-dim": FeatureCase({**_GQA, "head_dim": 192, "v_head_dim": 128}),
@@ -82,6 +83,7 @@ FEATURES: dict[str, FeatureCase] = {
 }
 """Feature name -> case. "mha" is the plain layer of the preset cases; "gqa" of the others.
 "chunked-24" is not a multiple of the usual page sizes, which virtual-batch backends refuse.
+"scale" is not head_dim ** -0.5 (MLA's is not either, but not every backend serves MLA).
 "mla" has DeepSeek's dims; "mla-small" the same shape, small enough for kernels with a head-dim
 limit (a backend serves the dims it declares, ``Capabilities.mla_dims``)."""
 
@@ -100,8 +102,8 @@ several tokens."""
 
 _DTYPE_FEATURES = ("gqa", "everything", "fp8-e4m3")
 _LSE_FEATURES = (
-    "gqa", "mqa", "window", "noncausal", "noncausal-window", "softcap", "sinks", "v-head-dim",
-    "fp8-e4m3", "everything",
+    "gqa", "mqa", "window", "noncausal", "noncausal-window", "softcap", "scale", "sinks",
+    "v-head-dim", "fp8-e4m3", "everything",
 )  # fmt: skip
 _SPLIT_FEATURES = ("gqa", "softcap", "sinks")
 """Layers whose keys split into a prefix and a suffix pass exactly (no window)."""
@@ -123,8 +125,8 @@ short extends down it; prefills too when they choose so)."""
 
 
 _RAGGED_FEATURES = (
-    "mha", "gqa", "mqa", "window", "softcap", "sinks", "v-head-dim", "everything", "chunked",
-    "noncausal-window",
+    "mha", "gqa", "mqa", "window", "softcap", "scale", "sinks", "v-head-dim", "everything",
+    "chunked", "noncausal-window",
 )  # fmt: skip
 _RAGGED_PREFIX_FEATURES = ("noncausal", "noncausal-sinks-softcap")
 """Layers of ragged steps: every layer rule over new tokens and over longer keys; prefix
@@ -153,8 +155,10 @@ def ragged_step(
 ) -> RaggedStep:
     """A random ragged step of ``kind``: "prefill" (keys are the new tokens), "extend" (keys
     reach further back) or "prefix" (a cross-attention chunk: any number of keys, some none).
-    Odd seeds drop ``key_start_loc``, which backends then derive. Sinks move rows well past
-    the tolerance, as in ``BackendConformance._batch``."""
+    Besides its random sequences, each step holds, in a random place, the ones on which the
+    rules differ whatever the seed (``_RAGGED_ROWS`` and ``edge_rows(layer)``). Odd seeds drop
+    ``key_start_loc``, which backends then derive. Sinks move rows well past the tolerance, as
+    in ``BackendConformance._batch``, and are bf16 values."""
     rng = random.Random(f"ragged-{kind}-{seed}")
     b = rng.randint(1, 6)
     q = [rng.choice([0, 1, rng.randint(2, 40)]) for _ in range(b)]
@@ -164,6 +168,10 @@ def ragged_step(
         s = [n + rng.randint(0, 50) for n in q]
     else:
         s = [rng.choice([0, rng.randint(1, 60)]) for _ in range(b)]
+    fixed = _RAGGED_ROWS[kind] + ([] if kind == "prefix" else edge_rows(layer))
+    rows = [*zip(q, s), *(r for r in fixed if kind != "prefill" or r[0] == r[1])]
+    rng.shuffle(rows)
+    q, s = [n for n, _ in rows], [m for _, m in rows]
     meta = AttentionMetadata.for_ragged(q, s, device=device, cross_attention=kind == "prefix")
     if seed % 2:
         meta = dataclasses.replace(meta, key_start_loc=None)
@@ -177,8 +185,43 @@ def ragged_step(
             (keys, layer.num_kv_heads, layer.v_dim),
         )
     )
-    sinks = 1.0 + 2.0 * torch.randn(layer.num_heads, generator=gen)
+    # bf16 values: FA3 reads sinks as bf16 (its documented rounding, which the paged cases
+    # model with ``reference_batch``); a row of few keys would show the difference.
+    sinks = (1.0 + 2.0 * torch.randn(layer.num_heads, generator=gen)).bfloat16().float()
     return RaggedStep(meta, q_, k, v, sinks.to(device) if layer.has_sinks else None)
+
+
+_RAGGED_ROWS: dict[str, list[tuple[int, int]]] = {
+    "prefill": [(5, 5)],
+    "extend": [(5, 12)],
+    "prefix": [(4, 9), (3, 2), (2, 0)],
+}
+"""(query_len, seq_len) rows every ragged step of a kind holds: several queries, where causal
+and non-causal differ (with keys before them in an extend); in a prefix chunk, several queries
+over more keys and over fewer (causal masking would hide keys from all but the last query), and
+queries without keys (zeros, lse -inf or the sink)."""
+
+
+def edge_rows(layer: LayerSpec) -> list[tuple[int, int]]:
+    """(query_len, seq_len) rows on which ``layer``'s position rules bite, whatever the seed:
+    added to every batch of a layer with a sliding window or attention chunks (rows with
+    query_len == seq_len are prefills; a ragged prefill keeps only those).
+
+    With a window W: two queries over W + 1 keys, at positions W - 1 (its window holds keys
+    0..W-1 exactly: one narrower misses key 0) and W (its window just leaves out key 0: one
+    wider sees it); and a prefill of W + 2 tokens, where the same boundaries fall between new
+    tokens (and, non-causal, on the far side too). With chunks of C: queries at C - 1, C and
+    C + 1 over C + 2 keys (the last of the first chunk, then two that must not see it), and
+    a prefill across the boundary.
+    """
+    rows = []
+    if layer.sliding_window is not None:
+        w = layer.sliding_window
+        rows += [(2, w + 1), (w + 2, w + 2)]
+    if layer.attention_chunk_size is not None:
+        c = layer.attention_chunk_size
+        rows += [(3, c + 2), (c + 2, c + 2)]
+    return rows
 
 
 def _mixed(seed: int) -> BatchSpec:
@@ -304,3 +347,19 @@ def _branches(meta: AttentionMetadata) -> bool:
     cols = torch.arange(rows.shape[1])
     earlier = cols[None, :] < index[:, None]
     return bool((earlier & ~rows).any())
+
+
+def _with_siblings(meta: AttentionMetadata) -> AttentionMetadata:
+    """``meta`` with new token 1 of its first sequence of several made a root, a sibling of
+    token 0 (itself always a root): a token that must not see an earlier one, so the tree is
+    no causal chain whatever the random parents were. Token 1's descendants lose token 0 too."""
+    if meta.tree_mask is None:
+        return meta
+    qsl = meta.query_start_loc_cpu.tolist()
+    first = next((b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] >= 2), None)
+    if first is None:
+        return meta
+    mask = meta.tree_mask.cpu().clone()
+    rows = mask[qsl[first] : qsl[first + 1]]  # a view: the writes below go to ``mask``
+    rows[rows[:, 1], 0] = False
+    return dataclasses.replace(meta, tree_mask=mask.to(meta.device))

@@ -20,6 +20,9 @@ The matrix is a covering design, not a product: every batch preset on the plain 
 feature on a mixed batch, every storage order and page size on a mixed batch, each dtype with a
 few features; then ``prepare`` / ``warmup``, bad metadata, ``out=``, ``k = v = None``, rows past
 ``num_tokens`` and CUDA-graph replay against eager execution (with and without ``lse=``).
+No case relies on its seed to tell a rule apart: batches of a window or chunked layer also
+hold ``edge_rows`` (where the boundaries fall), tree batches two sibling drafts, ragged steps
+several queries over more keys and over fewer, and a scale other than the default has a case.
 
 The log-sum-exp (``lse=``, docs/kv_layout.md): on every preset and feature it matches the
 reference's and leaves the output bit for bit as without it; and attention split into a
@@ -34,17 +37,25 @@ does not declare are checked to be refused), ``page_sizes`` (of the layout cases
 dtype-derived tolerance), and the hooks ``tolerance``, ``lse_tolerance`` and
 ``reference_batch`` for precision choices a backend documents (fa3 multiplies fp8 KV with q
 cast to fp8).
+
+``run_conformance(backend)`` runs the same cases without a pytest session and returns each
+one's outcome (``CaseResult``): for a backend built inside a test, such as the deliberately
+broken ones of tests/backends/test_conformance_mutants.py, which the suite must reject.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import itertools
 import random
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pytest
 import torch
 
+from attnsdk._backend import Backend
 from attnsdk._base import BackendBase, lse_reasons_of
 from attnsdk._capabilities import (
     GraphSupport,
@@ -93,18 +104,27 @@ from attnsdk.testing._conformance_cases import (
     _name,
     _packed,
     _rows,
+    _with_siblings,
+    edge_rows,
     ragged_step,
 )
 from attnsdk.testing._spec import BatchSpec
 from attnsdk.testing._tolerance import assert_close_to_reference, tolerance
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
-    from attnsdk._backend import Backend
     from attnsdk._config import AttentionConfig
 
-__all__ = ["CHUNK_PRESETS", "FEATURES", "PRESETS", "BackendConformance", "FeatureCase"]
+__all__ = [
+    "CHUNK_PRESETS",
+    "FEATURES",
+    "PRESETS",
+    "BackendConformance",
+    "CaseResult",
+    "FeatureCase",
+    "run_conformance",
+]
 
 
 class BackendConformance:
@@ -377,17 +397,16 @@ class BackendConformance:
             self._require_step(subject, batch)
             out = self._compare(subject, oracle, batch)
             self._check_lse_of(subject, oracle, batch, out)
-            if _branches(batch.metadata):
-                # Ignoring the mask must fail the comparison above by a margin: the causal
-                # chain's output is off by twice the tolerance somewhere.
-                chain = dataclasses.replace(batch.metadata, tree_mask=None)
-                ref, _ = self.reference_batch(batch).run(oracle)
-                causal, _ = self.reference_batch(dataclasses.replace(batch, metadata=chain)).run(
-                    oracle
-                )
-                atol, rtol = self.tolerance(layout)
-                gap = (causal.float() - ref.float()).abs() - 2 * (atol + rtol * ref.float().abs())
-                assert float(gap.max()) > 0, "a causal chain is within twice the tolerance"
+            # Every tree preset has a sequence of several draft tokens, and _batch makes two of
+            # them siblings; ignoring the mask must then fail the comparison above by a margin:
+            # the causal chain's output is off by twice the tolerance somewhere.
+            assert _branches(batch.metadata), "the tree is a causal chain: it proves nothing"
+            chain = dataclasses.replace(batch.metadata, tree_mask=None)
+            ref, _ = self.reference_batch(batch).run(oracle)
+            causal, _ = self.reference_batch(dataclasses.replace(batch, metadata=chain)).run(oracle)
+            atol, rtol = self.tolerance(layout)
+            gap = (causal.float() - ref.float()).abs() - 2 * (atol + rtol * ref.float().abs())
+            assert float(gap.max()) > 0, "a causal chain is within twice the tolerance"
 
     # -- cross-attention ----------------------------------------------------------------------
 
@@ -401,6 +420,11 @@ class BackendConformance:
         layer, layout = self._case(feature, self._dtype(subject), "NHD", self.page_size)
         for seed in range(self.seeds):
             spec = BatchSpec.cross_attention(seed=seed)
+            rows = list(zip(spec.query_lens, spec.seq_lens))
+            # Where cross-attention differs from a causal step (several queries over some keys)
+            # and the sequence without keys: there by construction of the preset, not by seed.
+            assert any(q >= 2 and s >= 1 for q, s in rows), rows
+            assert any(q >= 1 and s == 0 for q, s in rows), rows
             batch = self._batch(layer, layout, spec, seed, per_head=f.per_head_scales)
             self._require(subject, batch)
             self._require_step(subject, batch)
@@ -434,8 +458,11 @@ class BackendConformance:
     )
     def test_ragged(self, subject: Backend, oracle: Backend, feature: str, kind: str) -> None:
         """``forward_ragged`` (K/V in the call, no cache: MLA's expanded prefill and its prefix
-        chunks): output and log-sum-exp match the reference; asking for the lse leaves the
-        output bit for bit. A backend that does not serve it must raise
+        chunks): output and log-sum-exp match the reference; ``out=`` receives the result, and
+        asking for the lse leaves the output bit for bit. Each step holds, besides its random
+        sequences, those on which the layer's rules differ (``ragged_step``): several queries
+        over more keys and over fewer, none (a prefix chunk); the edges of a window or of
+        chunks. A backend that does not serve it must raise
         ``UnsupportedConfigError``; the case is then skipped with its reasons."""
         layer, dtype = LayerSpec(**FEATURES[feature].layer), self._dtype(subject)
         dev = torch.device(self.device)
@@ -461,9 +488,12 @@ class BackendConformance:
             ref_lse = torch.empty_like(lse)
             ref = oracle.forward_ragged(*args, ref_plan, layer, sinks=step.sinks, lse=ref_lse)  # type: ignore[attr-defined]
             assert_close_to_reference(out, ref, atol=atol, rtol=rtol)
+            given = torch.full_like(out, float("nan"))
+            asked = {"lse": lse} if with_lse else {}
+            again = subject.forward_ragged(*args, plan, layer, sinks=step.sinks, out=given, **asked)  # type: ignore[attr-defined]
+            assert torch.equal(given, out), "out= did not receive the output (or lse= changed it)"
+            assert torch.equal(again, out), "forward_ragged returned other values than out="
             if with_lse:
-                again = subject.forward_ragged(*args, plan, layer, sinks=step.sinks, lse=lse)  # type: ignore[attr-defined]
-                assert torch.equal(again, out), "asking for lse= changed the output"
                 empty = torch.isneginf(ref_lse)
                 assert torch.equal(torch.isneginf(lse), empty), "-inf where the oracle's is"
                 assert_close_to_reference(
@@ -580,7 +610,7 @@ class BackendConformance:
         if reasons:
             pytest.skip("; ".join(map(str, reasons)))
         # Layers other tests prepared (chunked ones among them) must not decide this capture.
-        fresh = create_backend(self.backend, device=torch.device(self.device))
+        fresh = self._fresh(subject)
         if isinstance(fresh, BackendBase):
             fresh.prepare([layer], layout, self.device)
         try:
@@ -592,6 +622,10 @@ class BackendConformance:
             pytest.skip("refused: " + "; ".join(map(str, exc.reasons)))
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _fresh(self, subject: Backend) -> Backend:
+        """A new backend like ``subject``, which no other case has prepared layers on."""
+        return create_backend(self.backend, device=torch.device(self.device))
 
     def _graph_vs_eager(
         self,
@@ -704,6 +738,17 @@ class BackendConformance:
         tree: bool = False,
     ) -> Batch:
         pages = _PAGE_ORDERS[seed % len(_PAGE_ORDERS)]
+        edges = edge_rows(layer)
+        if edges:
+            # The rows where a window's or chunks' boundaries bite, whatever the seed drew;
+            # first, so that graph padding rows stay last.
+            spec = BatchSpec(
+                tuple(q for q, _ in edges) + spec.query_lens,
+                tuple(s for _, s in edges) + spec.seq_lens,
+                spec.name,
+                (False,) * len(edges) + spec.padded,
+                spec.cross,
+            )
         batch = make_batch(
             spec,
             layer,
@@ -716,6 +761,8 @@ class BackendConformance:
         )
         if packed:
             batch = dataclasses.replace(batch, cache=_packed(batch.cache))
+        if tree:
+            batch = dataclasses.replace(batch, metadata=_with_siblings(batch.metadata))
         if batch.sinks is not None:
             # make_batch's unit-normal sinks barely move the output; these move it well past
             # the tolerance, so a backend that ignores them fails.
@@ -821,3 +868,110 @@ def _refused(reasons: list[Reason], subject: Backend, batch: Batch, *, with_lse:
         run(subject, cache)
     _assert_same_cache(cache, batch.cache, batch.metadata, exact=True, what="refused step")
     pytest.skip("declared unsupported: " + "; ".join(map(str, reasons)))
+
+
+# -- running the suite without pytest ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    """The outcome of one conformance case, as ``run_conformance`` returns it."""
+
+    case: str
+    """The case's pytest id without the class, e.g. ``test_feature[window]``."""
+    outcome: Literal["passed", "failed", "skipped"]
+    message: str = ""
+    """Why it failed (the exception's type and text) or was skipped; empty when it passed."""
+
+
+def run_conformance(
+    backend: Backend | str | AttentionConfig,
+    *,
+    device: str = "cpu",
+    suite: type[BackendConformance] = BackendConformance,
+    stop_at_first_failure: bool = False,
+) -> list[CaseResult]:
+    """Run every case of ``suite`` on ``backend`` without a pytest session, in pytest's order.
+
+    For a backend a pytest class cannot name: one built inside a test (the deliberately broken
+    backends of tests/backends/test_conformance_mutants.py, which the suite must reject) or in
+    a script. ``backend`` is a backend instance, a registered name or an ``AttentionConfig``;
+    ``suite`` is ``BackendConformance`` or a subclass whose attributes and hooks (``seeds``,
+    ``dtypes``, ``tolerance``, ...) apply; its ``backend`` and ``device`` are replaced. The
+    cases get the same arguments as under pytest (``subject``, ``oracle``, the parametrised
+    values, ``dtype`` and ``page_size`` from the class attributes). A case is skipped when it
+    calls ``pytest.skip`` (a refusal the backend declares, a CUDA-only case on a CPU) and
+    fails on any exception, ``pytest.fail`` and ``pytest.raises``' included.
+    ``stop_at_first_failure``: return as soon as one case fails.
+    """
+    dev = torch.device(device)
+    subject = backend if isinstance(backend, Backend) else create_backend(backend, device=dev)
+    attrs: dict[str, Any] = {"device": device}
+    if isinstance(backend, Backend):
+        attrs["backend"] = subject.name
+        attrs["_fresh"] = lambda self, s: type(s)(s.options) if isinstance(s, BackendBase) else s
+    else:
+        attrs["backend"] = backend
+    cls = type(f"Run{suite.__name__}", (suite,), attrs)
+    oracle = ReferenceBackend()
+    results = []
+    fixtures = {"subject": subject, "oracle": oracle}
+    for name, args, case, params in _cases(cls):
+        try:
+            kwargs = {a: params[a] if a in params else fixtures[a] for a in args}
+        except KeyError as exc:
+            raise TypeError(
+                f"{case} takes the fixture {exc}, which run_conformance does not provide"
+            ) from None
+        try:
+            getattr(cls(), name)(**kwargs)
+        except pytest.skip.Exception as exc:
+            results.append(CaseResult(case, "skipped", str(exc)))
+        except (Exception, pytest.fail.Exception) as exc:
+            results.append(CaseResult(case, "failed", f"{type(exc).__name__}: {exc}"))
+            if stop_at_first_failure:
+                break
+        else:
+            results.append(CaseResult(case, "passed"))
+    return results
+
+
+def _cases(
+    cls: type[BackendConformance],
+) -> Iterator[tuple[str, list[str], str, dict[str, Any]]]:
+    """(method, argument names, pytest id, parametrised values) of every case of ``cls``, in
+    the order and with the ids pytest gives them: ``pytest_generate_tests``' axes first, then
+    each ``parametrize`` mark from the one nearest the function outwards, the first outermost
+    (tests/backends/test_conformance_mutants.py compares them with pytest's collection)."""
+    methods: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        methods.update((n, f) for n, f in vars(klass).items() if n.startswith("test_"))
+    dtypes = cls.dtypes or tuple(sorted(COMPUTE_DTYPES, key=str))
+    for name, fn in methods.items():
+        args = [a for a in inspect.signature(fn).parameters if a != "self"]
+        axes: list[list[tuple[str, dict[str, Any]]]] = []
+        if "dtype" in args:
+            axes.append([(_dtype_id(d), {"dtype": d}) for d in dtypes])
+        if "page_size" in args:
+            axes.append([(f"p{p}", {"page_size": p}) for p in cls.page_sizes])
+        for mark in getattr(fn, "pytestmark", []):
+            if mark.name != "parametrize":
+                continue
+            names, values = mark.args[0], list(mark.args[1])
+            names = [n.strip() for n in names.split(",")] if isinstance(names, str) else names
+            rows = [row if len(names) > 1 else (row,) for row in values]
+            ids = mark.kwargs.get("ids") or [
+                "-".join(_param_id(x, n, i) for x, n in zip(row, names))
+                for i, row in enumerate(rows)
+            ]
+            axes.append([(i, dict(zip(names, row))) for i, row in zip(ids, rows)])
+        for combo in itertools.product(*axes):
+            case = name + ("[" + "-".join(i for i, _ in combo) + "]" if combo else "")
+            yield name, args, case, {k: v for _, kw in combo for k, v in kw.items()}
+
+
+def _param_id(value: Any, name: str, index: int) -> str:
+    """pytest's id of one parametrised value."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return str(value)
+    return f"{name}{index}"
