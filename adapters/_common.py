@@ -8,6 +8,7 @@
 - ``LayerState``: per-layer ``LayerSpec`` + ``KVCache``, keyed on everything that defines them.
 - ``AttnKind``: causality and KV rules of the engines' attention types.
 - ``refuse``: the one way an adapter says "not served", with a reason.
+- ``engine_attr``: an attribute of an engine object, a missing one a typed error naming it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "LayerState",
     "backend_key",
     "drop_in_class",
+    "engine_attr",
     "refuse",
     "resolve_backend",
 ]
@@ -195,6 +197,22 @@ def refuse(
 ) -> NoReturn:
     """Raise ``UnsupportedConfigError`` for something the adapter does not serve."""
     raise UnsupportedConfigError(f"{what}: {field} {why}", [Reason(kind, field, why)])
+
+
+def engine_attr(obj: object, owner: str, name: str) -> Any:
+    """``obj.name``, read off an engine object that ``owner`` names (``model_runner``,
+    ``forward_batch``, ``layer``, ...). A missing attribute (an engine release that renamed
+    it, or a mock without it) raises ``InvalidInputError`` naming ``owner.name``, not a bare
+    ``AttributeError`` from deep inside the adapter."""
+    try:
+        return getattr(obj, name)
+    except AttributeError as exc:
+        raise InvalidInputError(
+            f"{owner}.{name}",
+            f"an attribute the adapter reads from the engine's {owner}",
+            f"a {type(obj).__name__} without it",
+            "Is the engine release one the adapter is tested on?",
+        ) from exc
 
 
 @dataclass(frozen=True, slots=True)

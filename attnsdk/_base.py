@@ -38,6 +38,7 @@ from attnsdk._capabilities import (
     paged_cross_reasons,
     step_capability_reasons,
 )
+from attnsdk._checks import check_device
 from attnsdk._cross import cross_reasons
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._graph import GraphHooks
@@ -52,7 +53,7 @@ from attnsdk._ragged import (
 )
 from attnsdk._tree import tree_reasons
 from attnsdk._validate import check_metadata
-from attnsdk._warmup import warm_up
+from attnsdk._warmup import check_warmup_args, warm_up
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -206,10 +207,18 @@ class BackendBase(GraphHooks):
         """
         if not isinstance(layout, KVCacheLayout):
             raise InvalidInputError("layout", "a KVCacheLayout", type(layout).__name__)
-        dev = torch.device(device) if device is not None else None
+        dev = check_device("device", device) if device is not None else None
+        try:
+            if isinstance(layers, (str, bytes, LayerSpec)):
+                raise TypeError  # one layer, or characters: not a model's layers
+            items = iter(layers)
+        except TypeError:
+            raise InvalidInputError(
+                "layers", "an iterable of LayerSpec, one per attention layer", repr(layers)
+            ) from None
         failed: list[Reason] = []
         new: dict[tuple[LayerSpec, KVCacheLayout], Any] = {}
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(items):
             if not isinstance(layer, LayerSpec):
                 raise InvalidInputError(f"layers[{i}]", "a LayerSpec", type(layer).__name__)
             key = (layer, layout)
@@ -239,10 +248,15 @@ class BackendBase(GraphHooks):
         beside an extend row) on a scratch cache of ``num_pages`` pages. Backends whose kernels
         compile per layer shape (Triton, JIT libraries) then serve the first real step without
         compiling; one that also specialises on the pool size (compiled flex) compiles again
-        for the real cache unless ``num_pages`` matches it. A no-op before ``prepare``.
+        for the real cache unless ``num_pages`` matches it. The two steps need at least
+        1 + 2 * ceil(2 / page_size) pages (3 from page size 2 on, 5 at page size 1): a smaller
+        ``num_pages`` gets that many. A no-op before ``prepare``, but its arguments are checked
+        first: ``device`` one this machine has (None: the backend's default), ``num_pages`` an
+        int >= 1.
         """
+        dev, pages = check_warmup_args(self.capabilities, device, num_pages)
         for layer, layout in self.prepared:
-            warm_up(self, layer, layout, device, num_pages)
+            warm_up(self, layer, layout, dev, pages)
 
     def layer_state(self, layer: LayerSpec, layout: KVCacheLayout) -> Any:
         """Hook: what ``attend`` needs per (layer, layout), worked out once (kernel arguments,

@@ -147,6 +147,9 @@ def device_reasons(caps: Capabilities, device: torch.device | str | None) -> lis
         return []
     cc = compute_capability(dev)
     if cc is None:
+        count = torch.cuda.device_count() if cuda_available() else 0
+        if count:  # an index past the GPUs this machine has
+            return [Reason(env, "device", f"must be one of the {count} CUDA devices, found {dev}")]
         return [Reason(env, "device", "needs a CUDA GPU, but none is visible")]
     reasons = []
     if caps.min_compute_capability is not None and cc < caps.min_compute_capability:

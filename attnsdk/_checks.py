@@ -6,11 +6,13 @@ Each raises ``InvalidInputError`` naming the field, what was expected and what w
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
 import torch
 
+from attnsdk._device import cuda_available
 from attnsdk._errors import InvalidInputError
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "check_int",
     "check_mla_dims",
     "check_positive_float",
+    "check_usable_device",
     "is_int_tensor",
 ]
 
@@ -74,17 +77,74 @@ def check_mla_dims(record: str, num_kv_heads: int, head_dim: int, v_head_dim: in
 
 
 def check_device(field: str, value: object) -> torch.device:
-    """``value`` as a ``torch.device``; a malformed device string or another type is refused."""
-    if isinstance(value, torch.device):
-        return value
+    """``value`` as a ``torch.device``; a malformed device string or another type is refused,
+    and so is an index torch cannot hold: it keeps device indices in 8 bits, so "cuda:1000"
+    would silently become cuda:-24 and "cuda:256" cuda:0."""
+    dev = None
     try:
-        if isinstance(value, (str, int)) and not isinstance(value, bool):
-            return torch.device(value)
+        if isinstance(value, torch.device):
+            dev = value
+        elif isinstance(value, (str, int)) and not isinstance(value, bool):
+            dev = torch.device(value)
     except (RuntimeError, ValueError, TypeError):
         pass
-    raise InvalidInputError(
-        field, "a torch.device or a device string ('cpu', 'cuda:0')", repr(value)
-    )
+    if dev is None:
+        raise InvalidInputError(
+            field, "a torch.device or a device string ('cpu', 'cuda:0')", repr(value)
+        )
+    given = _given_index(value)
+    if (given is not None and given != dev.index) or (dev.index is not None and dev.index < 0):
+        raise InvalidInputError(field, "a device index in 0..127", repr(value))
+    return dev
+
+
+def _given_index(value: object) -> int | None:
+    """The device index ``value`` spells out (``"cuda:3"``, or a bare int), before torch parses
+    it; None when it names none."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and ":" in value:
+        try:
+            return int(value.rpartition(":")[2])
+        except ValueError:
+            return None
+    return None
+
+
+def check_usable_device(field: str, value: object) -> torch.device:
+    """``check_device``, for a device the caller is about to make tensors on: one this machine
+    cannot reach is refused here, named, instead of torch's AssertionError ("Torch not compiled
+    with CUDA enabled") or RuntimeError. CUDA needs ``torch.cuda.is_available()`` and an index
+    below the GPU count; ``cpu`` and ``meta`` (shape-only tensors) always pass."""
+    dev = check_device(field, value)
+    why = _unreachable(dev)
+    if why is not None:
+        raise InvalidInputError(field, "a device this machine has", f"{str(dev)!r}: {why}")
+    return dev
+
+
+def _unreachable(dev: torch.device) -> str | None:
+    """Why torch cannot make a tensor on ``dev`` here, or None."""
+    if dev.type in ("cpu", "meta"):
+        return None
+    if dev.type != "cuda":
+        return _other_unreachable(dev)
+    if not cuda_available():
+        return "no CUDA device here (no GPU is visible, or this torch build is CPU-only)"
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        return f"this machine has {count} CUDA device(s)"
+    return None
+
+
+@functools.cache
+def _other_unreachable(dev: torch.device) -> str | None:
+    """A device of another type (mps, xpu, ...): asked once, by making an empty tensor there."""
+    try:
+        torch.empty(0, device=dev)
+    except Exception as exc:  # torch raises RuntimeError, AssertionError, ... by backend
+        return f"torch cannot make a tensor there ({type(exc).__name__}: {exc})"
+    return None
 
 
 def is_int_tensor(t: object) -> bool:

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+)
 
 from attnsdk._config_files import config_table, find_pyproject, pyproject_table
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
@@ -26,7 +33,17 @@ class AutoOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     candidates: tuple[str, ...] | None = None
-    """Restrict (and order) the backends "auto" may pick; None = all, by priority."""
+    """Restrict (and order) the backends "auto" may pick; None (omitted) = all, by priority."""
+
+    @field_validator("candidates")
+    @classmethod
+    def _not_empty(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and not value:
+            raise ValueError(
+                "needs at least one backend name; omit candidates (or pass None) to let "
+                '"auto" pick from every registered backend'
+            )
+        return value
 
 
 class AttentionConfig(BaseModel):

@@ -58,9 +58,11 @@ class DebugBackend:
     """A backend with every check on. Other attributes are the wrapped backend's.
 
     Before each forward: the argument checks, ``AttentionMetadata.validate(cache)`` (once per
-    plan and cache size), finite q / k / v and positive finite fp8 scales. After it: any error
-    the device side recorded (e.g. a slot past the cache, reported at once), a finite output
-    for every real token row and, when ``lse=`` is given, no NaN or +inf in its real rows.
+    plan and cache size; the reserved page 0 unless a self-attention step writes nothing, see
+    docs/kv_layout.md, "Pages and slots"), finite q / k / v, sinks finite or -inf (a sink of
+    -inf adds nothing), and positive finite fp8 scales. After it: any error the device side
+    recorded (e.g. a slot past the cache, reported at once), a finite output for every real
+    token row and, when ``lse=`` is given, no NaN or +inf in its real rows.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -121,14 +123,17 @@ class DebugBackend:
             validate_metadata(
                 meta,
                 cache,
+                reserved_page=_reserved_page_to_check(meta),
                 sliding_window=layer.sliding_window,
                 attention_chunk_size=layer.attention_chunk_size,
             )
             self._validated = (plan, *seen)
         rows = int(meta.query_start_loc_cpu[-1])
-        for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
+        for name, t in (("q", q), ("k", k), ("v", v)):
             if t is not None:
-                _finite(name, t[:rows] if name != "sinks" else t, InvalidInputError)
+                _finite(name, t[:rows], InvalidInputError)
+        if sinks is not None:
+            _finite_sinks(sinks)
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is not None and not bool((torch.isfinite(scale) & (scale > 0)).all()):
                 raise InvalidInputError(name, "finite values > 0", scale.flatten().tolist())
@@ -165,9 +170,10 @@ class DebugBackend:
             validate_metadata(meta, None)
             self._validated_ragged = plan
         rows, keys = meta.num_tokens, int(meta.seq_lens_cpu.sum())
-        for name, t in (("q", q[:rows]), ("k", k[:keys]), ("v", v[:keys]), ("sinks", sinks)):
-            if t is not None:
-                _finite(name, t, InvalidInputError)
+        for name, t in (("q", q[:rows]), ("k", k[:keys]), ("v", v[:keys])):
+            _finite(name, t, InvalidInputError)
+        if sinks is not None:
+            _finite_sinks(sinks)
         return self._checked(inner(q, k, v, plan, layer, **kwargs), lse, rows, q.device)
 
     def _checked(
@@ -214,6 +220,28 @@ class DebugBackend:
         self.inner.plan_for_replay(plan, meta)
         if plan.graph is not None:
             validate_metadata(plan.metadata, plan.graph.page_size, reserved_page=None)
+
+
+def _reserved_page_to_check(meta: AttentionMetadata) -> int | None:
+    """Page 0, except in a self-attention step that writes nothing (then None: unchecked).
+
+    Such a step's keys are not in pages an engine allocated: vLLM's encoder-only attention
+    views the step's own k/v as a page-size-1 cache (token t on page t, page 0 being token 0)
+    and writes nothing, and every backend serves it exactly. Every step that writes K/V (any
+    decoder step) and every cross-attention step reads pages an engine allocated, where page 0
+    is its padding page or null block: those are checked, so a layer reading vLLM's null block
+    in place of its own keys is still caught. ``validate()`` called directly is strict.
+    """
+    if meta.cross_attention:
+        return 0
+    writes = bool((meta.slot_mapping[: meta.num_tokens] >= 0).any())
+    return 0 if writes else None
+
+
+def _finite_sinks(sinks: torch.Tensor) -> None:
+    """No NaN or +inf sink; -inf is a valid sink (exp(-inf) = 0: it adds nothing to the
+    softmax denominator, which every backend serves exactly)."""
+    _finite("sinks", sinks.masked_fill(sinks == float("-inf"), 0.0), InvalidInputError)
 
 
 def _capturing() -> bool:

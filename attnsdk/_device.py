@@ -26,7 +26,10 @@ def compute_capability(device: torch.device | str | None = None) -> tuple[int, i
     dev = torch.device(device) if device is not None else torch.device("cuda")
     if dev.type != "cuda":
         return None
-    return _capability(dev.index if dev.index is not None else torch.cuda.current_device())
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():  # "cuda:7" on a machine of fewer GPUs
+        return None
+    return _capability(index)
 
 
 @functools.cache

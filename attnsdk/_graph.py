@@ -16,7 +16,7 @@ import torch
 
 from attnsdk._backend import Plan
 from attnsdk._capabilities import Reason, ReasonKind
-from attnsdk._checks import check_device, check_int
+from attnsdk._checks import check_int, check_usable_device
 from attnsdk._errors import InvalidInputError, InvalidMetadataError, UnsupportedConfigError
 from attnsdk._metadata import AttentionMetadata
 from attnsdk._validate import check_is_metadata, check_metadata
@@ -54,7 +54,7 @@ class GraphBuffers:
         self.seq_len_fill = check_int(
             "seq_len_fill", seq_len_fill, low=0, high=max_pages * page_size
         )
-        dev = check_device("device", device)
+        dev = check_usable_device("device", device)
         i32 = torch.int32
         self.query_start_loc = torch.zeros(max_batch + 1, dtype=i32, device=dev)
         self.seq_lens = torch.full((max_batch,), seq_len_fill, dtype=i32, device=dev)
@@ -112,9 +112,15 @@ class GraphBuffers:
         return self.max_pages * self.page_size
 
     def replay_update(self, captured: AttentionMetadata, meta: AttentionMetadata) -> None:
-        """Copy ``meta`` into the buffers that ``captured`` views and pad the remaining rows."""
+        """Copy ``meta`` into the buffers that ``captured`` views and pad the remaining rows.
+
+        ``meta`` passes ``plan``'s host checks first (from its host twins, no device sync): its
+        ``max_query_len`` / ``max_seq_len`` must bound its real lengths, since the captured
+        kernels are sized by them, and its page table must cover ``max_seq_len`` at the
+        buffers' page size. Nothing is written before a refusal.
+        """
         check_is_metadata("captured", captured)
-        check_is_metadata("meta", meta)
+        check_metadata(meta, self.page_size)
         bs, tokens = captured.num_seqs, captured.num_tokens
         b, t = meta.num_seqs, meta.num_tokens
         if b > bs:
@@ -206,13 +212,13 @@ class GraphHooks:
                 if isinstance(plan, Plan) and plan.graph is None
                 else type(plan).__name__,
             )
-        # The graph's page size is known here: a page table too narrow for it is refused
-        # rather than padded with the reserved page.
-        check_metadata(meta, plan.graph.page_size)
+        check_is_metadata("meta", meta)
         if meta.tree_mask is not None or meta.cross_attention:
             field = "tree_mask" if meta.tree_mask is not None else "cross_attention"
             raise UnsupportedConfigError(
                 "this step cannot be replayed from a CUDA graph:",
                 [Reason(ReasonKind.BATCH, field, "the graph buffers do not carry it")],
             )
+        # replay_update runs plan's host checks at the graph's page size: a page table too
+        # narrow for it is refused rather than padded with the reserved page.
         plan.graph.replay_update(plan.metadata, meta)

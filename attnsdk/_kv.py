@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from attnsdk._checks import check_bool, check_device, check_int, check_mla_dims, is_int_tensor
+from attnsdk._checks import (
+    check_bool,
+    check_int,
+    check_mla_dims,
+    check_usable_device,
+    is_int_tensor,
+)
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 
 __all__ = [
@@ -152,7 +158,7 @@ class KVCacheLayout:
     def allocate(self, num_pages: int, device: torch.device | str = "cpu") -> KVCache:
         """Allocate a zeroed cache of ``num_pages`` pages (page 0 is conventionally padding)."""
         num_pages = check_int("num_pages", num_pages)
-        device = check_device("device", device)
+        device = check_usable_device("device", device)
         dt = self.storage_dtype
         k = torch.zeros(self.page_shape(num_pages, self.head_dim), dtype=dt, device=device)
         if self.mla:

@@ -38,11 +38,16 @@ def merge_states(
 
     A part whose lse is -inf (it saw no key) contributes nothing and its output is not read:
     the result is then exactly the other part; both -inf give out 0 and lse -inf, never NaN.
-    Sinks belong to one part only (each part's lse counts the sink once).
+    Sinks belong to one part only (each part's lse counts the sink once). An lse is finite or
+    -inf: +inf or NaN is no log-sum-exp of finite scores, and would make the row NaN.
 
     On CUDA this is one Triton launch with no host sync; given ``out`` and ``lse_out`` it
-    allocates nothing, so it can be captured in a CUDA graph. Checks run on the host only
-    (shapes, dtypes, devices), raising ``InvalidInputError`` naming the argument.
+    allocates nothing, so it can be captured in a CUDA graph. Checks run on the host (shapes,
+    dtypes, devices), raising ``InvalidInputError`` naming the argument before anything is
+    written. The lse values are checked too (+inf or NaN refused, naming the entry) where that
+    needs no device sync: on the CPU always, on CUDA only in debug mode (``ATTNSDK_DEBUG=1``)
+    outside graph capture, since reading them there waits for the GPU. Without debug mode an
+    lse of +inf or NaN on CUDA gives NaN in its row.
 
     >>> a, b = torch.zeros(1, 1, 2), torch.ones(1, 1, 2)
     >>> out, lse = merge_states(a, torch.zeros(1, 1), b, torch.zeros(1, 1))
@@ -59,6 +64,9 @@ def merge_states(
         lse_out = torch.empty(t, h, dtype=torch.float32, device=out_a.device)
     else:
         _check_tensor("lse_out", lse_out, (t, h), torch.float32, out_a.device)
+    if _reads_values(out_a.device):
+        _check_lse_values("lse_a", lse_a)
+        _check_lse_values("lse_b", lse_b)
     if out_a.device.type == "cuda":
         from attnsdk.backends._merge_triton import merge_triton  # imports Triton
 
@@ -85,6 +93,30 @@ def merge_states_torch(
     part_a = torch.where((w_a > 0)[..., None], out_a.float(), 0.0) * (w_a * inv)[..., None]
     part_b = torch.where((w_b > 0)[..., None], out_b.float(), 0.0) * (w_b * inv)[..., None]
     return (part_a + part_b).to(out_a.dtype), m + torch.log(total)
+
+
+def _reads_values(device: torch.device) -> bool:
+    """Whether the lse values can be read without a device sync (the CPU), or may be (CUDA in
+    debug mode, outside graph capture); never on ``meta`` (no values)."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    from attnsdk._debug import debug_enabled  # the selection layer: on CUDA only
+
+    return debug_enabled() and not torch.cuda.is_current_stream_capturing()
+
+
+def _check_lse_values(name: str, lse: torch.Tensor) -> None:
+    """Finite or -inf, the values a log-sum-exp takes; +inf and NaN are refused."""
+    bad = torch.isnan(lse) | (lse == float("inf"))
+    if bool(bad.any()):
+        t, h = (int(i) for i in torch.nonzero(bad)[0])
+        raise InvalidInputError(
+            f"{name}[{t}, {h}]",
+            "a log-sum-exp: finite, or -inf for a part that saw no key",
+            float(lse[t, h]),
+        )
 
 
 def _check_part(

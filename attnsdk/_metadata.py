@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnsdk._checks import check_device, is_int_tensor
+from attnsdk._checks import check_usable_device, is_int_tensor
 from attnsdk._errors import InvalidMetadataError
 
 if TYPE_CHECKING:
@@ -119,8 +119,10 @@ class AttentionMetadata:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidMetadataError("page_size", "a positive int", repr(page_size))
         q, s = _lengths(query_lens, seq_lens, cross_attention)
+        max_q = int(q.max()) if q.numel() else 0
+        _check_total("query_lens", q, max_q, "query_start_loc")
         pt = _page_table(page_table)
-        device = pt.device if device is None else check_device("device", device)
+        device = pt.device if device is None else check_usable_device("device", device)
         if pt.dim() != 2 or pt.shape[0] != s.shape[0]:
             raise InvalidMetadataError("page_table", f"shape (B={s.shape[0]}, W)", tuple(pt.shape))
         needed = int(((s + page_size - 1) // page_size).max()) if s.numel() else 0
@@ -151,7 +153,7 @@ class AttentionMetadata:
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=s,
             num_tokens=int(qsl_cpu[-1]),
-            max_query_len=int(q.max()) if q.numel() else 0,
+            max_query_len=max_q,
             max_seq_len=int(s.max()) if s.numel() else 0,
             page_size=page_size,
             tree_mask=None if tree_mask is None else _tree_mask(tree_mask).to(device),
@@ -178,7 +180,11 @@ class AttentionMetadata:
         ([0, 2, 7], [0, 2, 5])
         """
         q, s = _lengths(query_lens, seq_lens, cross_attention)
-        dev = torch.device("cpu") if device is None else check_device("device", device)
+        max_q = int(q.max()) if q.numel() else 0
+        max_s = int(s.max()) if s.numel() else 0
+        _check_total("query_lens", q, max_q, "query_start_loc")
+        _check_total("seq_lens", s, max_s, "key_start_loc")
+        dev = torch.device("cpu") if device is None else check_usable_device("device", device)
         b = s.shape[0]
         host = torch.zeros(3 * b + 2, dtype=torch.int32)  # [query_start_loc | seq_lens | keys]
         qsl, s_host, ksl = host.split([b + 1, b, b + 1])
@@ -197,8 +203,8 @@ class AttentionMetadata:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=s,
             num_tokens=int(qsl[-1]),
-            max_query_len=int(q.max()) if q.numel() else 0,
-            max_seq_len=int(s.max()) if s.numel() else 0,
+            max_query_len=max_q,
+            max_seq_len=max_s,
             cross_attention=_flag("cross_attention", cross_attention),
             key_start_loc=ksl_dev,
         )
@@ -287,10 +293,13 @@ class AttentionMetadata:
         None: a ragged step's metadata (``for_ragged``; it reads no cache), whose lengths, host
         twins and ``key_start_loc`` are checked; metadata with a page table needs its layout.
         ``reserved_page`` (page 0, SGLang's padding page and vLLM's null block) may be read only
-        by padding rows, which read and write nothing else; None skips that check. With the
-        layer's ``sliding_window`` or ``attention_chunk_size``, pages wholly below every query's
-        window, or before the chunk of a row's first query, count as unread (vLLM frees them and
-        puts its null block there). Returns ``self`` so it can be chained.
+        by padding rows, which read and write nothing else; None skips that check. This strict
+        default is for explicit calls: debug mode skips it in a self-attention step that
+        writes nothing (vLLM's encoder-only attention, token t of the step's own k/v on page t,
+        is served exactly; see docs/kv_layout.md, "Pages and slots"). With the layer's
+        ``sliding_window`` or ``attention_chunk_size``, pages wholly below every query's window,
+        or before the chunk of a row's first query, count as unread (vLLM frees them and puts
+        its null block there). Returns ``self`` so it can be chained.
         """
         from attnsdk._validate import validate_metadata
 
@@ -392,6 +401,21 @@ def _lengths(
         )
     _check_lengths(q, s, cross)
     return q, s
+
+
+def _check_total(field: str, lengths: torch.Tensor, longest: int, prefix_sum: str) -> None:
+    """``lengths`` (>= 0, each at most ``longest``) sum to at most int32's max, so their int32
+    prefix sum ``prefix_sum`` cannot wrap. B * longest bounds the sum: only a batch past that
+    bound pays for the exact sum."""
+    if lengths.shape[0] * longest <= _INT32_MAX:
+        return
+    total = int(lengths.sum(dtype=torch.int64))
+    if total > _INT32_MAX:
+        raise InvalidMetadataError(
+            field,
+            f"a sum of at most {_INT32_MAX} ({prefix_sum} is their int32 prefix sum)",
+            f"a sum of {total}",
+        )
 
 
 def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor, cross: bool) -> None:

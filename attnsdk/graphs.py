@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnsdk._capabilities import GraphSupport, Reason, ReasonKind
+from attnsdk._checks import check_int, check_usable_device
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 
 if TYPE_CHECKING:
@@ -59,11 +60,18 @@ class GraphRunner:
         tokens_per_seq: int = 1,
         device: torch.device | str = "cuda",
     ) -> None:
-        sizes = sorted({int(b) for b in batch_sizes})
-        if not sizes or sizes[0] <= 0:
-            raise InvalidInputError("batch_sizes", "one or more positive ints", list(batch_sizes))
-        if not isinstance(tokens_per_seq, int) or tokens_per_seq <= 0:
-            raise InvalidInputError("tokens_per_seq", "a positive int", repr(tokens_per_seq))
+        try:
+            if isinstance(batch_sizes, (str, bytes)):
+                raise TypeError
+            given = list(batch_sizes)
+        except TypeError:
+            given = []
+        if not given:
+            raise InvalidInputError(
+                "batch_sizes", "a list of one or more positive ints", repr(batch_sizes)
+            )
+        sizes = sorted({check_int(f"batch_sizes[{i}]", b) for i, b in enumerate(given)})
+        tokens_per_seq = check_int("tokens_per_seq", tokens_per_seq)
         needed = GraphSupport.DECODE_ONLY if tokens_per_seq == 1 else GraphSupport.UNIFORM_BATCH
         level = backend.capabilities.graph_support
         if level < needed:
@@ -77,7 +85,7 @@ class GraphRunner:
                     )
                 ],
             )
-        dev = torch.device(device)
+        dev = check_usable_device("device", device)
         if dev.type != "cuda":
             raise InvalidInputError("device", "a CUDA device (graphs are a CUDA feature)", dev)
         self.backend = backend

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,7 @@ from attnsdk import (
 )
 from attnsdk._checks import is_int_tensor
 from attnsdk._kv import COMPUTE_DTYPES
+from attnsdk.adapters._common import engine_attr
 from attnsdk.adapters.sglang._layer import radix_layer_spec
 from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, is_tree, step_kind
 
@@ -88,23 +89,27 @@ class SGLangAdapter:
 
     def query_lens(self, fb: ForwardBatch) -> Lengths:
         """New tokens per row: 1 (decode), ``extend_seq_lens`` or ``spec_info.draft_token_num``."""
-        kind = step_kind(fb.forward_mode)
+        mode = _fb(fb, "forward_mode")
+        kind = step_kind(mode)
         b = _batch_size(fb)
-        seq_lens = fb.seq_lens
+        seq_lens = _fb(fb, "seq_lens")
         if not isinstance(seq_lens, torch.Tensor):
             raise InvalidMetadataError("forward_batch.seq_lens", "a tensor", seq_lens)
         device = seq_lens.device
         if kind is StepKind.EXTEND:
-            host = _host_ints("forward_batch.extend_seq_lens_cpu", fb.extend_seq_lens_cpu, b)
-            dev = _device_ints("forward_batch.extend_seq_lens", fb.extend_seq_lens, b)
+            host = _host_ints(
+                "forward_batch.extend_seq_lens_cpu", _fb(fb, "extend_seq_lens_cpu"), b
+            )
+            dev = _device_ints("forward_batch.extend_seq_lens", _fb(fb, "extend_seq_lens"), b)
             return Lengths(dev, host)
-        if kind is StepKind.DECODE and fb.spec_info is not None and fb.forward_mode.is_decode():
+        spec_info = _fb(fb, "spec_info")
+        if kind is StepKind.DECODE and spec_info is not None and mode.is_decode():
             raise UnsupportedConfigError(
                 "forward_batch.spec_info: expected None in DECODE, found "
-                f"{type(fb.spec_info).__name__} (EAGLE draft decode is not mapped)",
+                f"{type(spec_info).__name__} (EAGLE draft decode is not mapped)",
                 [Reason(ReasonKind.BATCH, "spec_info", "draft decode needs per-step offsets")],
             )
-        n = draft_token_num(fb.spec_info) if kind is StepKind.TARGET_VERIFY else 1
+        n = draft_token_num(spec_info) if kind is StepKind.TARGET_VERIFY else 1
         return Lengths(
             torch.full((b,), n, dtype=torch.int32, device=device),
             torch.full((b,), n, dtype=torch.int32),
@@ -113,10 +118,10 @@ class SGLangAdapter:
     def seq_lens(self, fb: ForwardBatch) -> Lengths:
         """KV length after this step: ``seq_lens`` (+ the drafts in TARGET_VERIFY)."""
         b = _batch_size(fb)
-        host = _host_ints("forward_batch.seq_lens_cpu", fb.seq_lens_cpu, b)
-        dev = _device_ints("forward_batch.seq_lens", fb.seq_lens, b)
-        if step_kind(fb.forward_mode) is StepKind.TARGET_VERIFY:
-            n = draft_token_num(fb.spec_info)
+        host = _host_ints("forward_batch.seq_lens_cpu", _fb(fb, "seq_lens_cpu"), b)
+        dev = _device_ints("forward_batch.seq_lens", _fb(fb, "seq_lens"), b)
+        if step_kind(_fb(fb, "forward_mode")) is StepKind.TARGET_VERIFY:
+            n = draft_token_num(_fb(fb, "spec_info"))
             return Lengths(dev + n, host + n)
         return Lengths(dev, host)
 
@@ -130,14 +135,14 @@ class SGLangAdapter:
                 f"{self.req_to_token.shape[1]} columns at page_size {self.page_size})",
                 width,
             )
-        rows = starts[:, :width].index_select(0, fb.req_pool_indices)
+        rows = starts[:, :width].index_select(0, _fb(fb, "req_pool_indices"))
         if self.page_size > 1:
             rows = rows // self.page_size
         return rows.to(torch.int32)
 
     def slot_mapping(self, fb: ForwardBatch) -> torch.Tensor:
         """(T,) int64: ``out_cache_loc``, the slot SGLang allocated for each new token."""
-        loc = fb.out_cache_loc
+        loc = _fb(fb, "out_cache_loc")
         if not is_int_tensor(loc) or loc.dim() != 1:
             found = (loc.dtype, tuple(loc.shape)) if isinstance(loc, torch.Tensor) else loc
             raise InvalidMetadataError(
@@ -153,17 +158,20 @@ class SGLangAdapter:
         draft's view of the prefix, then of the drafts), rows after one another; the prefix
         part is all true and the draft part is what attnsdk's ``tree_mask`` holds.
         """
-        if step_kind(fb.forward_mode) is not StepKind.TARGET_VERIFY or not is_tree(fb.spec_info):
+        if step_kind(_fb(fb, "forward_mode")) is not StepKind.TARGET_VERIFY:
             return None
-        d = draft_token_num(fb.spec_info)
+        spec_info = _fb(fb, "spec_info")
+        if not is_tree(spec_info):
+            return None
+        d = draft_token_num(spec_info)
         b = _batch_size(fb)
-        mask = getattr(fb.spec_info, "custom_mask", None)
+        mask = getattr(spec_info, "custom_mask", None)
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
             found = (mask.dtype, tuple(mask.shape)) if isinstance(mask, torch.Tensor) else mask
             raise InvalidMetadataError(
                 "forward_batch.spec_info.custom_mask", "a 1-D torch.bool tensor (the tree)", found
             )
-        host = _host_ints("forward_batch.seq_lens_cpu", fb.seq_lens_cpu, b).long()
+        host = _host_ints("forward_batch.seq_lens_cpu", _fb(fb, "seq_lens_cpu"), b).long()
         need = int(((host + d) * d).sum())
         if mask.numel() < need:
             raise InvalidMetadataError(
@@ -171,7 +179,7 @@ class SGLangAdapter:
                 f"at least {need} entries (draft_token_num x (seq_lens + draft_token_num) per row)",
                 mask.numel(),
             )
-        prefix = _device_ints("forward_batch.seq_lens", fb.seq_lens, b).long()
+        prefix = _device_ints("forward_batch.seq_lens", _fb(fb, "seq_lens"), b).long()
         row_len = prefix + d
         start = torch.cumsum(row_len * d, 0) - row_len * d  # where each row's block begins
         ramp = torch.arange(d, device=prefix.device)
@@ -368,7 +376,7 @@ class SGLangAdapter:
         """
         meta = self.build_metadata(fb).validate(cache)
         p = self.page_size
-        rows = fb.req_pool_indices.to("cpu", torch.long)
+        rows = _fb(fb, "req_pool_indices").to("cpu", torch.long)
         table = meta.page_table.to("cpu", torch.long)
         r2t = self.req_to_token.to("cpu", torch.long)
         for b, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
@@ -402,7 +410,7 @@ class SGLangAdapter:
     def _check_rows(self, fb: ForwardBatch) -> None:
         """Request rows in range, from the host copy SGLang keeps (0.5.13+), when it is there."""
         b = _batch_size(fb)
-        indices = fb.req_pool_indices
+        indices = _fb(fb, "req_pool_indices")
         if not is_int_tensor(indices) or tuple(indices.shape) != (b,):
             is_tensor = isinstance(indices, torch.Tensor)
             found = (indices.dtype, tuple(indices.shape)) if is_tensor else repr(indices)
@@ -410,8 +418,8 @@ class SGLangAdapter:
                 "forward_batch.req_pool_indices", f"({b},) integer rows of req_to_token", found
             )
         rows = getattr(fb, "req_pool_indices_cpu", None)
-        if rows is None and fb.req_pool_indices.device.type == "cpu":
-            rows = fb.req_pool_indices
+        if rows is None and indices.device.type == "cpu":
+            rows = indices
         if not isinstance(rows, torch.Tensor) or rows.numel() == 0:
             return
         limit = self.req_to_token.shape[0]
@@ -426,7 +434,7 @@ class SGLangAdapter:
 
     def _check_prefix(self, fb: ForwardBatch, q: Lengths, s: Lengths) -> None:
         # SGLang's extend batches also carry the prefix lengths: a cheap host cross-check.
-        if step_kind(fb.forward_mode) is not StepKind.EXTEND:
+        if step_kind(_fb(fb, "forward_mode")) is not StepKind.EXTEND:
             return
         prefix = getattr(fb, "extend_prefix_lens_cpu", None)
         if prefix is None:
@@ -486,12 +494,18 @@ def _chunk_lens_cpu(fb: ForwardBatch, i: int, b: int) -> torch.Tensor:
     size = getattr(fb, "prefix_chunk_len", None)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise InvalidMetadataError("forward_batch.prefix_chunk_len", "an int >= 1", repr(size))
-    prefix = _host_ints("forward_batch.extend_prefix_lens_cpu", fb.extend_prefix_lens_cpu, b)
+    prefix = _host_ints(
+        "forward_batch.extend_prefix_lens_cpu", _fb(fb, "extend_prefix_lens_cpu"), b
+    )
     return (prefix.clamp(max=(i + 1) * size) - i * size).clamp(min=0).to(torch.int32)
 
 
+def _fb(fb: ForwardBatch, name: str) -> Any:
+    return engine_attr(fb, "forward_batch", name)
+
+
 def _batch_size(fb: ForwardBatch) -> int:
-    b = fb.batch_size
+    b = _fb(fb, "batch_size")
     if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0:
         raise InvalidMetadataError("forward_batch.batch_size", "an int >= 0", repr(b))
     return int(b)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +29,7 @@ from attnsdk.adapters._common import (
     LayerEntry,
     LayerState,
     drop_in_class,
+    engine_attr,
     refuse,
     resolve_backend,
 )
@@ -87,19 +89,20 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         adapter: SGLangAdapter | None = None,
     ) -> None:
         self.model_runner = model_runner
-        self.device = torch.device(model_runner.device)
-        self.page_size = int(model_runner.page_size)
+        self.device = torch.device(engine_attr(model_runner, "model_runner", "device"))
+        self.page_size = int(engine_attr(model_runner, "model_runner", "page_size"))
         # SGLang 0.5.13+'s EAGLE verify sizes its tree mask from this when a batch carries no
         # seq_lens_sum (eagle_worker_common.build_eagle_verify_input), as with FA3.
-        self.max_context_len = int(model_runner.model_config.context_len)
+        config = engine_attr(model_runner, "model_runner", "model_config")
+        self.max_context_len = int(engine_attr(config, "model_config", "context_len"))
         self.attention_chunk_size = _chunk_size(model_runner)
         """The model's chunked local attention (Llama 4), for its layers with ``use_irope``."""
         self.kv_lora_rank = _kv_lora_rank(model_runner)
         """An MLA model's latent dims (DeepSeek: 512), whose pool is ``MLATokenToKVPool``;
         None for other models."""
         # SGLang 0.5.13+ reads both pools off the attention backend (forward_context.py).
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.req_to_token_pool = engine_attr(model_runner, "model_runner", "req_to_token_pool")
+        self.token_to_kv_pool = engine_attr(model_runner, "model_runner", "token_to_kv_pool")
         if adapter is not None and not isinstance(adapter, SGLangAdapter):
             raise InvalidInputError("adapter", "None or an SGLangAdapter", repr(adapter))
         self._fixed_adapter = adapter is not None
@@ -144,10 +147,11 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         IDLE batches return an empty output without attending, as SGLang's base class does
         (SGLang runs them without ``init_forward_metadata``).
         """
-        if forward_batch.forward_mode.is_idle():
-            out = q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        if engine_attr(forward_batch, "forward_batch", "forward_mode").is_idle():
+            heads = engine_attr(layer, "layer", "tp_q_head_num")
+            out = q.new_empty(q.shape[0], heads * engine_attr(layer, "layer", "v_head_dim"))
             if _wants_lse(forward_batch, kwargs):
-                return out, q.new_empty(q.shape[0], layer.tp_q_head_num, dtype=torch.float32)
+                return out, q.new_empty(q.shape[0], heads, dtype=torch.float32)
             return out
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
@@ -225,11 +229,11 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             k3 = _heads("k", k, spec.num_kv_heads, spec.head_dim)
             v3 = _heads("v", v, spec.num_kv_heads, spec.v_dim)
             if plan.graph is not None:
-                self.token_to_kv_pool.set_kv_buffer(
-                    layer, fb.out_cache_loc, k3, v3, layer.k_scale, layer.v_scale
-                )
+                k_scale, v_scale = _scales(layer)
+                loc = engine_attr(fb, "forward_batch", "out_cache_loc")
+                self.token_to_kv_pool.set_kv_buffer(layer, loc, k3, v3, k_scale, v_scale)
                 k3 = v3 = None  # written: the attnsdk backend only attends
-        quantized = cache.layout.is_quantized
+        k_scale, v_scale = _scales(layer) if cache.layout.is_quantized else (None, None)
         lse = (
             torch.empty(rows, spec.num_heads, dtype=torch.float32, device=q.device)
             if want_lse
@@ -243,8 +247,8 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             plan,
             spec,
             sinks=sinks,
-            k_scale=layer.k_scale if quantized else None,
-            v_scale=layer.v_scale if quantized else None,
+            k_scale=k_scale,
+            v_scale=v_scale,
             lse=lse,
         )
         out = out.reshape(rows, spec.num_heads * spec.v_dim)
@@ -284,7 +288,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
                 # A replayed step's slots live in the graph runner's out_cache_loc only; the
                 # pool's MLA door for split latent and rope (its combined-row one has no
                 # decode-context-parallel write path).
-                pool, loc = self.token_to_kv_pool, fb.out_cache_loc
+                pool, loc = self.token_to_kv_pool, engine_attr(fb, "forward_batch", "out_cache_loc")
                 if k_rope is not None:
                     pool.set_mla_kv_buffer(layer, loc, k3[..., :rank], k3[..., rank:])
                 else:
@@ -299,7 +303,10 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
     def _expanded(self, layer: RadixAttention) -> bool:
         """Whether ``layer`` is an MLA model's expanded prefill layer: its head dims are not
         the latent pool's row."""
-        return int(layer.head_dim) != self.token_to_kv_pool.get_key_buffer(layer.layer_id).shape[-1]
+        layer_id = _shape(layer)[0]
+        pool = self.token_to_kv_pool
+        k_buf = engine_attr(pool, "token_to_kv_pool", "get_key_buffer")(layer_id)
+        return int(layer.head_dim) != k_buf.shape[-1]
 
     def _attend_mha(
         self,
@@ -314,7 +321,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         want_lse: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek's ``attn_mha`` (see the class docstring): ragged attention, no cache."""
-        where = f"layer {layer.layer_id} (an MLA model's expanded prefill, attn_mha)"
+        where = f"layer {_shape(layer)[0]} (an MLA model's expanded prefill, attn_mha)"
         if k is None or v is None:
             refuse(where, "k/v", "are required: this layer's keys come with the call")
         if save_kv_cache:
@@ -361,9 +368,11 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         return (out, lse) if lse is not None else out
 
     def _layer(self, layer: RadixAttention, dtype: torch.dtype, sinks: bool) -> LayerEntry:
+        shape = _shape(layer)
+        layer_id = shape[0]
         pool = self.token_to_kv_pool
-        k_buf = pool.get_key_buffer(layer.layer_id)
-        v_buf = pool.get_value_buffer(layer.layer_id)
+        k_buf = engine_attr(pool, "token_to_kv_pool", "get_key_buffer")(layer_id)
+        v_buf = engine_attr(pool, "token_to_kv_pool", "get_value_buffer")(layer_id)
         fingerprint = (
             k_buf.data_ptr(),
             v_buf.data_ptr(),
@@ -372,7 +381,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             k_buf.dtype,
             dtype,
             sinks,
-            *_shape(layer),
+            *shape,
         )
 
         def build() -> LayerEntry:
@@ -389,24 +398,22 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
             reasons = self.backend.unsupported_reasons(spec, cache.layout, self.device)
             if reasons:
                 raise UnsupportedConfigError(
-                    f"backend {self.backend.name!r} cannot serve layer {layer.layer_id}:", reasons
+                    f"backend {self.backend.name!r} cannot serve layer {layer_id}:", reasons
                 )
             return LayerEntry(spec, cache)
 
-        return self._layers.get(layer.layer_id, fingerprint, build)
+        return self._layers.get(layer_id, fingerprint, build)
 
     def _default_adapter(self) -> SGLangAdapter:
-        return SGLangAdapter(
-            req_to_token=self.req_to_token_pool.req_to_token, page_size=self.page_size
-        )
+        return SGLangAdapter(req_to_token=self._req_to_token(), page_size=self.page_size)
+
+    def _req_to_token(self) -> Any:
+        return engine_attr(self.req_to_token_pool, "req_to_token_pool", "req_to_token")
 
     def _adapter(self) -> SGLangAdapter:
         """The adapter for this step: rebuilt if SGLang swapped the request pool (frozen-KV MTP
         swaps the pools on the backend), unless the integrator supplied one."""
-        if (
-            not self._fixed_adapter
-            and self.req_to_token_pool.req_to_token is not self.adapter.req_to_token
-        ):
+        if not self._fixed_adapter and self._req_to_token() is not self.adapter.req_to_token:
             self.adapter = self._default_adapter()
         return self.adapter
 
@@ -414,21 +421,22 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
         """The model's layer and cache, from its config (total heads: what the capabilities
         depend on, ratios and dims, is the same per rank)."""
         runner = self.model_runner
-        cfg = runner.model_config
-        dtype, kv_dtype = runner.dtype, runner.kv_cache_dtype
+        cfg = engine_attr(runner, "model_runner", "model_config")
+        dtype = engine_attr(runner, "model_runner", "dtype")
+        kv_dtype = engine_attr(runner, "model_runner", "kv_cache_dtype")
+        heads = int(engine_attr(cfg, "model_config", "num_attention_heads"))
         if self.kv_lora_rank is not None:
             rank, rope = self.kv_lora_rank, int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
             return (
-                LayerSpec.for_mla(int(cfg.num_attention_heads), kv_lora_rank=rank, rope_dim=rope),
+                LayerSpec.for_mla(heads, kv_lora_rank=rank, rope_dim=rope),
                 KVCacheLayout.for_mla(
                     self.page_size, kv_lora_rank=rank, rope_dim=rope, dtype=dtype, kv_dtype=kv_dtype
                 ),
             )
         total_kv = cfg.get_total_num_kv_heads() if hasattr(cfg, "get_total_num_kv_heads") else None
-        num_kv = int(total_kv or cfg.num_key_value_heads)
-        spec = LayerSpec(
-            num_heads=int(cfg.num_attention_heads), num_kv_heads=num_kv, head_dim=int(cfg.head_dim)
-        )
+        num_kv = int(total_kv or engine_attr(cfg, "model_config", "num_key_value_heads"))
+        head_dim = int(engine_attr(cfg, "model_config", "head_dim"))
+        spec = LayerSpec(num_heads=heads, num_kv_heads=num_kv, head_dim=head_dim)
         return spec, KVCacheLayout(
             num_kv, spec.head_dim, self.page_size, dtype=dtype, kv_dtype=kv_dtype
         )
@@ -467,7 +475,7 @@ class SGLangAttentionBackendImpl(SGLangGraphHooks):
 
 def _kv_lora_rank(model_runner: ModelRunner) -> int | None:
     """An MLA model's ``kv_lora_rank`` (``model_config.attention_arch`` is MLA), else None."""
-    cfg = model_runner.model_config
+    cfg = engine_attr(model_runner, "model_runner", "model_config")
     if getattr(getattr(cfg, "attention_arch", None), "name", "MHA") != "MLA":
         return None
     rank = getattr(cfg, "kv_lora_rank", None)
@@ -526,18 +534,33 @@ def sglang_backend_class() -> type[SGLangAttentionBackendImpl]:
     )
 
 
+_SHAPE_FIELDS = (
+    "layer_id",
+    "tp_q_head_num",
+    "tp_k_head_num",
+    "head_dim",
+    "v_head_dim",
+    "scaling",
+    "sliding_window_size",
+    "logit_cap",
+    "attn_type",
+)
+_shape_fields = operator.attrgetter(*_SHAPE_FIELDS)
+
+
 def _shape(layer: RadixAttention) -> tuple[object, ...]:
-    """What a ``LayerSpec`` is derived from, of a SGLang layer (with ``layer_id``: an id reused
-    by a draft model's layer of another shape is another key)."""
-    return (
-        layer.layer_id,
-        layer.tp_q_head_num,
-        layer.tp_k_head_num,
-        layer.head_dim,
-        layer.v_head_dim,
-        layer.scaling,
-        layer.sliding_window_size,
-        layer.logit_cap,
-        layer.attn_type,
-        getattr(layer, "use_irope", False),
-    )
+    """What a ``LayerSpec`` is derived from, of a SGLang layer (with ``layer_id`` first: an id
+    reused by a draft model's layer of another shape is another key). Read on every forward,
+    so in one ``attrgetter``; only a missing attribute pays for finding which, to name it."""
+    try:
+        fields = _shape_fields(layer)
+    except AttributeError:
+        for name in _SHAPE_FIELDS:
+            engine_attr(layer, "layer", name)
+        raise
+    return (*fields, getattr(layer, "use_irope", False))
+
+
+def _scales(layer: RadixAttention) -> tuple[Any, Any]:
+    """The layer's ``k_scale`` / ``v_scale`` (SGLang hands them to the pool and the kernel)."""
+    return engine_attr(layer, "layer", "k_scale"), engine_attr(layer, "layer", "v_scale")

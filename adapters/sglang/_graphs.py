@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attnsdk import InvalidInputError, UnsupportedConfigError
-from attnsdk.adapters._common import refuse
+from attnsdk.adapters._common import engine_attr, refuse
 from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, is_tree, step_kind
 
 if TYPE_CHECKING:
@@ -93,10 +93,17 @@ class SGLangGraphHooks:
         ``forward_mode``), whose values are copied into the captured plan's buffers.
         """
         fb = forward_batch
+
+        def read(name: str) -> Any:
+            return engine_attr(fb, "forward_batch", name)
+
+        mode = read("forward_mode")
+        step = _GraphStep(mode, read("spec_info"), getattr(fb, "encoder_lens", None))
         if in_capture:
-            self._capture(fb.batch_size, fb.out_cache_loc.shape[0], fb.forward_mode, fb)
+            self._capture(read("batch_size"), read("out_cache_loc").shape[0], mode, step)
         else:
-            self._replay(fb.batch_size, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu, fb)
+            batch = (read("req_pool_indices"), read("seq_lens"), read("seq_lens_cpu"))
+            self._replay(read("batch_size"), *batch, step)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """SGLang 0.5.13+: nothing to record in the graph (replay refreshed the buffers)."""

@@ -7,7 +7,7 @@ import numbers
 from typing import TYPE_CHECKING, Any
 
 from attnsdk import InvalidInputError, LayerSpec, Reason, ReasonKind, UnsupportedConfigError
-from attnsdk.adapters._common import AttnKind
+from attnsdk.adapters._common import AttnKind, engine_attr
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -81,7 +81,9 @@ def radix_layer_spec(
 
 def _layer_number(layer: Any, name: str, default: Any = ..., *, integral: bool = False) -> Any:
     """A number attribute of a RadixAttention-like layer (None stays None), type-checked."""
-    value: Any = getattr(layer, name) if default is ... else getattr(layer, name, default)
+    value: Any = (
+        engine_attr(layer, "layer", name) if default is ... else getattr(layer, name, default)
+    )
     if value is None:
         return None
     if integral and not isinstance(value, bool) and isinstance(value, numbers.Integral):

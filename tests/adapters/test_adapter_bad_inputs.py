@@ -964,6 +964,119 @@ SG_GRAPH_CASES = [
     ),
 ]
 
+
+# An engine object without an attribute the drop-in reads (a release that renamed it, a thin
+# mock): a typed error naming the object and the attribute, never a bare AttributeError.
+
+
+def without(obj: Any, name: str) -> SimpleNamespace:
+    """``namespace(obj)`` less the attribute ``name``, keeping the mock's public methods."""
+    copy = namespace(obj)
+    delattr(copy, name)
+    for attr in dir(type(obj)):
+        if not attr.startswith("_") and attr != name and not hasattr(copy, attr):
+            setattr(copy, attr, getattr(obj, attr))
+    return copy
+
+
+def runner_without(name: str) -> Callable[[SGLangBatch], Any]:
+    return lambda b: without(b.model_runner, name)
+
+
+def config_without(name: str) -> Callable[[SGLangBatch], Any]:
+    return lambda b: dataclasses.replace(
+        b.model_runner, model_config=without(b.model_runner.model_config, name)
+    )
+
+
+SG_MISSING_CASES = [
+    ctor_case(
+        "runner-no-model-config", "model_runner.model_config", runner_without("model_config")
+    ),
+    ctor_case(
+        "runner-no-req-to-token-pool",
+        "model_runner.req_to_token_pool",
+        runner_without("req_to_token_pool"),
+    ),
+    ctor_case(
+        "runner-no-token-to-kv-pool",
+        "model_runner.token_to_kv_pool",
+        runner_without("token_to_kv_pool"),
+    ),
+    ctor_case("runner-no-page-size", "model_runner.page_size", runner_without("page_size")),
+    ctor_case("runner-no-device", "model_runner.device", runner_without("device")),
+    ctor_case(
+        "runner-no-kv-cache-dtype", "model_runner.kv_cache_dtype", runner_without("kv_cache_dtype")
+    ),
+    ctor_case("config-no-head-dim", "model_config.head_dim", config_without("head_dim")),
+    ctor_case("config-no-context-len", "model_config.context_len", config_without("context_len")),
+    ctor_case(
+        "pool-no-req-to-token",
+        "req_to_token_pool.req_to_token",
+        lambda b: dataclasses.replace(b.model_runner, req_to_token_pool=SimpleNamespace()),
+    ),
+    fb_case(
+        "no-spec-info",
+        "forward_batch.spec_info",
+        lambda b: without(b.forward_batch, "spec_info"),
+        IIE,
+        mode=M.DECODE,
+        via="dropin",
+    ),
+    *(
+        fb_case(
+            f"no-{name.replace('_', '-')}",
+            f"forward_batch.{name}",
+            lambda b, name=name: without(b.forward_batch, name),
+            IIE,
+            mode=mode,
+            via=via,
+        )
+        for name, mode, via in [
+            ("forward_mode", M.EXTEND, "dropin"),
+            ("batch_size", M.EXTEND, "adapter"),
+            ("seq_lens_cpu", M.DECODE, "adapter"),
+            ("extend_seq_lens_cpu", M.EXTEND, "adapter"),
+            ("req_pool_indices", M.MIXED, "dropin"),
+            ("out_cache_loc", M.EXTEND, "adapter"),
+            ("spec_info", M.TARGET_VERIFY, "adapter"),
+        ]
+    ),
+    fwd_case(
+        "layer-no-tp-q-head-num",
+        "layer.tp_q_head_num",
+        lambda b: {"layer": without(b.layer, "tp_q_head_num")},
+    ),
+    fwd_case(
+        "layer-no-layer-id", "layer.layer_id", lambda b: {"layer": without(b.layer, "layer_id")}
+    ),
+    fwd_case("layer-no-scaling", "layer.scaling", lambda b: {"layer": without(b.layer, "scaling")}),
+    fwd_case(
+        "idle-layer-no-v-head-dim",
+        "layer.v_head_dim",
+        lambda b: {
+            "layer": without(b.layer, "v_head_dim"),
+            "forward_batch": dataclasses.replace(b.forward_batch, forward_mode=M.IDLE),
+        },
+        init=False,
+    ),
+    fwd_case(
+        "batch-no-forward-mode",
+        "forward_batch.forward_mode",
+        lambda b: {"forward_batch": without(b.forward_batch, "forward_mode")},
+    ),
+    graph_case(
+        "out-graph-no-seq-lens-cpu",
+        "forward_batch.seq_lens_cpu",
+        out_graph(lambda b: without(b.forward_batch, "seq_lens_cpu")),
+    ),
+    graph_case(
+        "out-graph-capture-no-spec-info",
+        "forward_batch.spec_info",
+        out_graph(lambda b: without(b.forward_batch, "spec_info"), True),
+    ),
+]
+
 SGLANG_CASES = [
     *SG_BATCH_CASES,
     *SG_FORWARD_CASES,
@@ -971,6 +1084,7 @@ SGLANG_CASES = [
     *SG_CONSTRUCT_CASES,
     *SG_ADAPTER_CASES,
     *SG_GRAPH_CASES,
+    *SG_MISSING_CASES,
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from attnsdk import AttentionConfig
 from attnsdk.adapters.vllm import AttnSDKAttentionBackend, VLLMKVLayout
 from attnsdk.adapters.vllm.testing import (
     PHYSICAL_LAYOUTS,
@@ -141,13 +142,14 @@ def run_dropin(
     flat: bool = True,
     split_update: bool = False,
     kv_cache: torch.Tensor | None = None,
+    backend: str | AttentionConfig = "reference",
 ) -> torch.Tensor:
     """Build, then forward one layer the way vLLM's ``Attention`` layer does."""
     backend_cls = type(
         "ReferenceVLLMBackend",
         (AttnSDKAttentionBackend,),
         {
-            "attnsdk_backend": "reference",
+            "attnsdk_backend": backend,
             "forward_includes_kv_cache_update": not split_update,
         },
     )
@@ -260,6 +262,21 @@ def test_encoder_only_dropin(physical: str) -> None:
     semantics = {"scale": D**-0.5, "causal": False, "window": None, "softcap": None, "sinks": None}
     for q0, ref in oracle_outputs(batch, None, None, **semantics).items():
         torch.testing.assert_close(out[q0 : q0 + ref.shape[0]].double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_encoder_only_dropin_in_debug_mode() -> None:
+    """Debug mode accepts the drop-in's encoder-only step, whose first token sits on page 0 of
+    a page-size-1 view of the step's own k/v (it writes nothing), and serves it exactly like
+    the reference backend (docs/kv_layout.md, "Pages and slots")."""
+    spec = VLLM_BATCH_SPECS["small_encoder_prefill"]
+    batch = mock_vllm_batch(
+        spec, num_heads=HQ, num_kv_heads=HKV, head_size=D, causal=False, pad_requests=1, seed=5
+    )
+    debug = AttentionConfig(backend="reference", debug=True)
+    run = {"attn_type": "encoder_only", "kv_cache": torch.empty(0)}
+    got = run_dropin(batch, backend=debug, **run)
+    want = run_dropin(batch, **run)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("causal", [True, False])

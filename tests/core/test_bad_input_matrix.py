@@ -49,6 +49,10 @@ IIE, IME, UCE = InvalidInputError, InvalidMetadataError, UnsupportedConfigError
 E4M3 = torch.float8_e4m3fn
 NAN, INF = math.nan, math.inf
 I32_MAX = 2**31 - 1
+UNREACHABLE = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+"""A device this machine cannot make tensors on: CUDA on a CPU-only torch build (torch itself
+raises AssertionError "Torch not compiled with CUDA enabled" there), else the first GPU index
+past the count."""
 
 REF = ReferenceBackend()
 DEBUG = A.create_backend(AttentionConfig(backend="reference", debug=True))
@@ -195,6 +199,10 @@ ALLOCATE_CASES = [
         ("device-bad-string", 4, "gpu0", "device"),
         ("device-float", 4, 1.5, "device"),
         ("device-none", 4, None, "device"),
+        ("device-unreachable", 4, UNREACHABLE, "device"),
+        # torch keeps device indices in 8 bits: it would read this as cuda:-24.
+        ("device-index-past-torch", 4, "cuda:1000", "device"),
+        ("device-index-wrapping-to-0", 4, "cuda:256", "device"),
     ]
 ]
 
@@ -339,6 +347,59 @@ FROM_SEQLENS_CASES = [
     seqlens_case("table-empty", "page_table", page_table=[[]]),
     seqlens_case("device-bad-string", "device", IIE, device="gpu0"),
     seqlens_case("device-float", "device", IIE, device=1.5),
+    seqlens_case("device-unreachable", "device", IIE, device=UNREACHABLE),
+    # query_start_loc is the int32 prefix sum of query_lens: a sum past int32 would wrap.
+    seqlens_case(
+        "query-lens-sum-past-int32",
+        "query_lens",
+        query_lens=[2**30, 2**30, 0, 2],
+        seq_lens=[2**30, 2**30, 4, 9],
+    ),
+]
+
+
+def ragged_case(name: str, field: str, error: type[A.AttnSDKError] = IME, **kwargs: Any) -> Case:
+    args: dict[str, Any] = {"query_lens": [2, 3], "seq_lens": [2, 5], **kwargs}
+    return Case(f"for_ragged/{name}", lambda: AttentionMetadata.for_ragged(**args), error, field)
+
+
+FOR_RAGGED_CASES = [
+    ragged_case("device-bad-string", "device", IIE, device="gpu0"),
+    ragged_case("device-float", "device", IIE, device=1.5),
+    ragged_case("device-dict", "device", IIE, device={"type": "cpu"}),
+    ragged_case("device-unreachable", "device", IIE, device=UNREACHABLE),
+    ragged_case(
+        "query-lens-sum-past-int32", "query_lens", query_lens=[2**30, 2**30], seq_lens=[2**30] * 2
+    ),
+    # key_start_loc is the int32 prefix sum of seq_lens.
+    ragged_case("seq-lens-sum-past-int32", "seq_lens", query_lens=[1, 1], seq_lens=[2**30] * 2),
+]
+
+
+# --- tree_mask_from_parents ---------------------------------------------------------------------
+
+
+def parents_case(name: str, field: str, parents: Any, device: Any = None) -> Case:
+    return Case(
+        f"tree_mask_from_parents/{name}",
+        lambda: A.tree_mask_from_parents(parents, device=device),
+        IIE,
+        field,
+    )
+
+
+TREE_CASES = [
+    parents_case("parents-none", "parents", None),
+    parents_case("parents-int", "parents", 3),
+    parents_case("parents-str", "parents", "-10"),
+    parents_case("parents-dict", "parents", {0: [-1]}),
+    parents_case("parents-flat-list", "parents[0]", [-1, 0, 0]),
+    parents_case("row-none", "parents[1]", [[-1, 0], None]),
+    parents_case("row-str", "parents[1]", [[-1, 0], "-10"]),
+    parents_case("row-int", "parents[0]", [5, [-1]]),
+    parents_case("parent-float", "parents[0][1]", [[-1, 0.0]]),
+    parents_case("device-bad-string", "device", [[-1, 0]], device="gpu0"),
+    parents_case("device-unreachable", "device", [[-1, 0]], device=UNREACHABLE),
 ]
 
 
@@ -662,6 +723,8 @@ DEBUG_VALUES: list[tuple[str, str, Changes, dict[str, bool]]] = [
     ("k-nan", "k", lambda b: {"k": poisoned(b.k, 4, NAN)}, {}),
     ("v-minus-inf", "v", lambda b: {"v": poisoned(b.v, 2, -INF)}, {}),
     ("sinks-nan", "sinks", lambda b: {"sinks": poisoned(b.sinks, 1, NAN)}, {"sinks": True}),
+    # -inf is a valid sink (it adds exp(-inf) = 0); +inf is not.
+    ("sinks-plus-inf", "sinks", lambda b: {"sinks": poisoned(b.sinks, 2, INF)}, {"sinks": True}),
     (
         "k-scale-zero",
         "k_scale",
@@ -891,6 +954,12 @@ CONFIG_CASES = [
     config_case("auto-candidates-str", "options.candidates", {"candidates": "reference"}),
     config_case("auto-candidates-ints", "options.candidates.0", {"candidates": [1, 2]}),
     config_case("auto-candidates-dict", "options.candidates", {"candidates": {"reference": 1}}),
+    config_case(
+        "auto-candidates-empty",
+        "options.candidates",
+        {"candidates": []},
+        match="omit candidates",
+    ),
     config_case("auto-unknown-option", "options.prefer", {"backend": "auto", "prefer": "fa3"}),
     config_case("model-validate-str", "config", "reference"),
     config_case("model-validate-none", "config", None),
@@ -1236,6 +1305,18 @@ CREATE_CASES = [
         IIE,
         "device",
     ),
+    Case(
+        "create/device-index-past-torch",
+        lambda: A.create_backend("reference", device="cuda:1000"),
+        IIE,
+        "device",
+    ),
+    Case(
+        "create/device-unreachable",
+        lambda: A.create_backend("reference", device=UNREACHABLE),
+        UCE,
+        "device",
+    ),
     create_case("factory-raises-runtime-error", "create", raising(RuntimeError("no kernel"))),
     create_case("factory-raises-key-error", "create", raising(KeyError("tile"))),
     create_case("factory-raises-in-debug-mode", "create", raising(ValueError("bad")), debug=True),
@@ -1329,6 +1410,15 @@ def real(
     return AttentionMetadata.from_seqlens(query_lens, seq_lens, table, page_size=page_size or P)
 
 
+def understated(
+    meta: AttentionMetadata, s: int | None = None, *, q: int | None = None
+) -> AttentionMetadata:
+    """``meta`` whose host ``max_seq_len`` (``s``) or ``max_query_len`` (``q``) is below its
+    real lengths (``from_tensors`` takes them as given)."""
+    changes = {"max_seq_len": s} if s is not None else {"max_query_len": q}
+    return replace(meta, **changes)
+
+
 def replay_case(
     name: str,
     field: str,
@@ -1371,6 +1461,7 @@ GRAPH_CASES = [
     buffers_case("seq-len-fill-str", "seq_len_fill", seq_len_fill="1"),
     buffers_case("device-bad-string", "device", device="gpu0"),
     buffers_case("device-none", "device", device=None),
+    buffers_case("device-unreachable", "device", device=UNREACHABLE),
     capture_case("batch-size-str", "batch_size", "2", 4),
     capture_case("batch-size-float", "batch_size", 2.0, 4),
     capture_case("batch-size-none", "batch_size", None, 4),
@@ -1422,6 +1513,26 @@ GRAPH_CASES = [
         replace(real([1], [9]), page_size=None, page_table=i32([[1, 2]])),
         via="reference",
     ),
+    # Host maxima that understate the host twins: the captured kernels are sized by them.
+    replay_case("max-seq-len-understated", "max_seq_len", understated(real([1], [9]), 5)),
+    replay_case(
+        "max-seq-len-understated-past-capacity",
+        "max_seq_len",
+        understated(real([1], [3 * P + 1]), 5),
+    ),
+    replay_case("max-query-len-understated", "max_query_len", understated(real([4], [6]), q=3)),
+    replay_case(
+        "max-seq-len-understated",
+        "max_seq_len",
+        understated(real([1], [3 * P + 1]), 5),
+        via="reference",
+    ),
+    replay_case(
+        "max-query-len-understated",
+        "max_query_len",
+        understated(real([4], [6]), q=3),
+        via="reference",
+    ),
     replay_case("more-seqs", "seq_lens", real([1, 1, 1], [2, 3, 4]), via="debug"),
     replay_case("longer-seq-than-capacity", "max_seq_len", real([1], [3 * P + 1]), via="debug"),
 ]
@@ -1445,6 +1556,13 @@ def merge_case(name: str, field: str, **changes: Any) -> Case:
     return Case(f"merge_states/{name}", lambda: A.merge_states(**args), IIE, field, watch)
 
 
+def lse_with(where: tuple[int, int], value: float) -> torch.Tensor:
+    lse = torch.randn(T, HQ)
+    lse[1, 0] = -INF  # a part that saw no key: valid
+    lse[where] = value
+    return lse
+
+
 MERGE_CASES = [
     merge_case("out-a-list", "out_a", out_a=[0.0]),
     merge_case("out-a-2d", "out_a.shape", out_a=torch.randn(T, HQ)),
@@ -1462,6 +1580,95 @@ MERGE_CASES = [
     merge_case("out-wider", "out.shape", out=torch.zeros(T, HQ, DV + 1)),
     merge_case("lse-out-fewer-heads", "lse_out.shape", lse_out=torch.zeros(T, HQ - 1)),
     merge_case("lse-out-fp16", "lse_out.dtype", lse_out=torch.zeros(T, HQ, dtype=torch.float16)),
+    # A log-sum-exp is finite, or -inf for a part that saw no key: +inf and NaN would be NaN rows.
+    merge_case("lse-a-plus-inf", "lse_a[2, 1]", lse_a=lse_with((2, 1), INF)),
+    merge_case("lse-b-nan", "lse_b[0, 3]", lse_b=lse_with((0, 3), NAN)),
+]
+
+
+# --- prepare / warmup (BackendBase) and GraphRunner ------------------------------------------------
+
+WARM_LAYER = LayerSpec(4, 2, 16)
+
+
+def prepare_case(name: str, field: str, layers: Any = (WARM_LAYER,), device: Any = "cpu") -> Case:
+    return Case(
+        f"prepare/{name}",
+        lambda: ReferenceBackend().prepare(layers, ALLOC_LAYOUT, device),
+        IIE,
+        field,
+    )
+
+
+def warmup_case(name: str, field: str, *, prepared: bool = True, **kwargs: Any) -> Case:
+    backend = ReferenceBackend()
+    if prepared:
+        backend.prepare([WARM_LAYER], KVCacheLayout(2, 16, 1, dtype=torch.float32))
+    return Case(f"warmup/{name}", lambda: backend.warmup(**kwargs), IIE, field)
+
+
+PREPARE_CASES = [
+    prepare_case("layers-int", "layers", layers=3),
+    prepare_case("layers-none", "layers", layers=None),
+    prepare_case("layers-one-spec", "layers", layers=WARM_LAYER),
+    prepare_case("layers-str", "layers", layers="layers"),
+    prepare_case("device-bad-string", "device", device="gpu0"),
+    prepare_case("device-float", "device", device=1.5),
+    warmup_case("num-pages-zero", "num_pages", num_pages=0),
+    warmup_case("num-pages-negative", "num_pages", num_pages=-3),
+    warmup_case("num-pages-str", "num_pages", num_pages="8"),
+    warmup_case("num-pages-bool", "num_pages", num_pages=True),
+    warmup_case("num-pages-fraction", "num_pages", num_pages=2.5),
+    warmup_case("num-pages-none", "num_pages", num_pages=None),
+    warmup_case("unprepared-num-pages-zero", "num_pages", prepared=False, num_pages=0),
+    warmup_case("device-bad-string", "device", device="gpu0"),
+    warmup_case("device-float", "device", device=1.5),
+    warmup_case("device-unreachable", "device", device=UNREACHABLE),
+]
+
+
+class _Capturable:
+    """What ``GraphRunner`` reads of a backend before it builds the graph buffers."""
+
+    name = "capturable"
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities, graph_support=A.GraphSupport.ANY_BATCH
+    )
+
+    def graph_state(self, *args: Any, **kwargs: Any) -> GraphBuffers:
+        return GraphBuffers(*args, **kwargs)
+
+
+def runner_case(name: str, field: str, **kwargs: Any) -> Case:
+    args: dict[str, Any] = {
+        "batch_sizes": [1, 4],
+        "max_pages": 3,
+        "page_size": P,
+        "device": "cuda",
+        **kwargs,
+    }
+    return Case(
+        f"graph_runner/{name}",
+        lambda: A.GraphRunner(_Capturable(), lambda plan, *x: x[0], **args),  # type: ignore[arg-type]
+        IIE,
+        field,
+    )
+
+
+RUNNER_CASES = [
+    runner_case("batch-sizes-int", "batch_sizes", batch_sizes=3),
+    runner_case("batch-sizes-empty", "batch_sizes", batch_sizes=[]),
+    runner_case("batch-sizes-str", "batch_sizes", batch_sizes="14"),
+    runner_case("batch-sizes-none", "batch_sizes", batch_sizes=None),
+    runner_case("batch-size-str", "batch_sizes[0]", batch_sizes=["a"]),
+    runner_case("batch-size-fraction", "batch_sizes[1]", batch_sizes=[1, 1.5]),
+    runner_case("batch-size-zero", "batch_sizes[1]", batch_sizes=[2, 0]),
+    runner_case("batch-size-bool", "batch_sizes[0]", batch_sizes=[True]),
+    runner_case("tokens-per-seq-bool", "tokens_per_seq", tokens_per_seq=True),
+    runner_case("tokens-per-seq-zero", "tokens_per_seq", tokens_per_seq=0),
+    runner_case("device-bad-string", "device", device="gpu0"),
+    runner_case("device-cpu", "device", device="cpu"),
+    runner_case("device-unreachable", "device", device=UNREACHABLE),
 ]
 
 CORE_CASES = [
@@ -1471,6 +1678,8 @@ CORE_CASES = [
     *WRAP_CASES,
     *STORE_CASES,
     *FROM_SEQLENS_CASES,
+    *FOR_RAGGED_CASES,
+    *TREE_CASES,
     *FROM_TENSORS_CASES,
     *PLAN_CASES,
     *FORWARD_CASES,
@@ -1482,6 +1691,8 @@ CORE_CASES = [
     *EXPLAIN_CASES,
     *GRAPH_CASES,
     *MERGE_CASES,
+    *PREPARE_CASES,
+    *RUNNER_CASES,
 ]
 
 

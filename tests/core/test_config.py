@@ -91,6 +91,16 @@ def test_auto_candidates() -> None:
     assert config.options == A.AutoOptions(candidates=("reference",))
 
 
+@pytest.mark.parametrize("empty", [[], ()])
+def test_auto_candidates_empty_is_refused(empty: Any) -> None:
+    """An empty list used to mean "every backend" silently; omitting the field says that."""
+    with pytest.raises(pydantic.ValidationError, match=r"omit candidates"):
+        A.AutoOptions(candidates=empty)
+    with pytest.raises(A.InvalidInputError, match=r"^options\.candidates: .*omit candidates"):
+        A.AttentionConfig(candidates=empty)
+    assert A.AutoOptions(candidates=None) == A.AutoOptions()
+
+
 def test_backend_must_be_a_known_string() -> None:
     with pytest.raises(A.InvalidInputError, match=r"^backend: expected a backend name \(str\)"):
         A.AttentionConfig.model_validate({"backend": 3})

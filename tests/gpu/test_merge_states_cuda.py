@@ -82,6 +82,27 @@ def test_eager_call_does_not_sync() -> None:
     check((out, lse), args)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["plus-inf", "nan"])
+def test_debug_mode_reads_the_lse_values(monkeypatch: pytest.MonkeyPatch, bad: float) -> None:
+    """On CUDA the lse values are read only in debug mode (reading them syncs): +inf or NaN,
+    no log-sum-exp, is refused naming the entry, before anything is written. Without debug
+    mode the merge reads no value (no sync) and that row comes out NaN, as documented."""
+    args = parts(6, 4, 64, torch.float32, 9)
+    args[3][4, 2] = bad
+    out = torch.full_like(args[0], 7.0)
+    lse = torch.full_like(args[1], 7.0)
+    monkeypatch.setenv("ATTNSDK_DEBUG", "1")
+    with pytest.raises(A.InvalidInputError, match=r"^lse_b\[4, 2\]: expected a log-sum-exp"):
+        A.merge_states(*args, out=out, lse_out=lse)
+    assert bool((out == 7.0).all())
+    assert bool((lse == 7.0).all())
+    monkeypatch.setenv("ATTNSDK_DEBUG", "0")
+    A.merge_states(*args, out=out, lse_out=lse)  # compile outside the checked call
+    with forbid_device_sync():
+        A.merge_states(*args, out=out, lse_out=lse)
+    assert bool(out[4, 2].isnan().all())
+
+
 def test_graph_capture_allocates_nothing_and_replays_new_values() -> None:
     static = parts(48, 16, 256, torch.float16, 5)
     out = torch.empty_like(static[0])
