@@ -12,17 +12,25 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from attnsdk._errors import InvalidInputError, InvalidMetadataError
+from attnsdk._capabilities import Reason, ReasonKind
+from attnsdk._errors import InvalidInputError, InvalidMetadataError, UnsupportedConfigError
 from attnsdk._kv import KVCache
 from attnsdk._layer import LayerSpec
 from attnsdk._metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from attnsdk._capabilities import Capabilities, Reason
+    from attnsdk._capabilities import Capabilities
     from attnsdk._graph import GraphBuffers
     from attnsdk._kv import KVCacheLayout
 
-__all__ = ["Backend", "Plan", "check_forward_args", "check_plan", "check_tensor"]
+__all__ = [
+    "Backend",
+    "Plan",
+    "check_forward_args",
+    "check_no_grad",
+    "check_plan",
+    "check_tensor",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +160,7 @@ def check_forward_args(
     Raises ``InvalidInputError`` naming the argument before anything is written.
     """
     check_plan(plan)
+    check_no_grad(q=q, k=k, v=v, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if not isinstance(cache, KVCache):
         raise InvalidInputError(
             "cache", "a KVCache (KVCacheLayout.allocate or .wrap)", _kind(cache)
@@ -251,6 +260,35 @@ def check_forward_args(
             raise InvalidInputError(f"{name}.device", str(cache.device), scale.device)
     if meta.device != cache.device:
         raise InvalidInputError("plan.metadata.device", str(cache.device), meta.device)
+
+
+def check_no_grad(**tensors: object) -> None:
+    """Refuse a call that would need gradients: grad mode on and an input that requires grad.
+
+    attnsdk's backends compute inference attention only (their kernels and the reference's
+    in-place score updates have no backward), so such a call would give a loss that looks
+    right and gradients that are NaN or missing. Refused before anything is written, with
+    every input that asks for a gradient named.
+    """
+    if not torch.is_grad_enabled():
+        return
+    wanting = [
+        name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    if wanting:
+        raise UnsupportedConfigError(
+            "attnsdk backends serve inference only; this call would need gradients:",
+            [
+                Reason(
+                    ReasonKind.CONFIGURATION,
+                    f"{name}.requires_grad",
+                    "must be False, or grad mode off: run under torch.no_grad() or "
+                    "torch.inference_mode() (for training use another attention "
+                    "implementation, e.g. attn_implementation='sdpa' in transformers)",
+                )
+                for name in wanting
+            ],
+        )
 
 
 def check_plan(plan: object) -> None:

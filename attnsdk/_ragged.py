@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnsdk._backend import Plan, check_plan, check_tensor
+from attnsdk._backend import Plan, check_no_grad, check_plan, check_tensor
 from attnsdk._capabilities import (
     Capabilities,
     Feature,
@@ -94,6 +94,7 @@ def check_ragged_args(
     (T, Hq, Dv), ``lse`` (T, Hq) fp32 contiguous, ``sinks`` (Hq,) fp32 when ``layer.has_sinks``.
     """
     check_plan(plan)
+    check_no_grad(q=q, k=k, v=v, sinks=sinks)
     if not isinstance(layer, LayerSpec):
         raise InvalidInputError("layer", "a LayerSpec", type(layer).__name__)
     meta = plan.metadata

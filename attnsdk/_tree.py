@@ -22,18 +22,18 @@ of one token. ``attnsdk.merge_states`` then gives attention over the union, exac
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from attnsdk._capabilities import Reason, ReasonKind
+from attnsdk._checks import check_usable_device
 from attnsdk._errors import InvalidInputError, InvalidMetadataError
 from attnsdk._metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from attnsdk._layer import LayerSpec
 
 __all__ = [
@@ -59,6 +59,16 @@ def tree_mask_from_parents(
     >>> tree_mask_from_parents([[-1, 0, 0, 1]]).int().tolist()  # root, two children, a grandchild
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
     """
+    if not _is_list(parents):
+        raise InvalidInputError(
+            "parents", "a list of parent lists, one per sequence", _short(parents)
+        )
+    for b, seq in enumerate(parents):
+        if not _is_list(seq):
+            raise InvalidInputError(
+                f"parents[{b}]", "a list of parents ([] for no new tokens)", _short(seq)
+            )
+    dev = None if device is None else check_usable_device("device", device)
     width = max((len(p) for p in parents), default=0)
     rows: list[list[bool]] = []
     for b, seq in enumerate(parents):
@@ -72,7 +82,16 @@ def tree_mask_from_parents(
             row[i] = True
             seen.append(row)
         rows.extend(seen)
-    return torch.tensor(rows, dtype=torch.bool, device=device).reshape(len(rows), width)
+    return torch.tensor(rows, dtype=torch.bool, device=dev).reshape(len(rows), width)
+
+
+def _is_list(value: object) -> bool:
+    """A list, tuple or other sequence, but not a string (whose characters would be parents)."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _short(value: object) -> str:
+    return repr(value) if len(repr(value)) <= 60 else f"a {type(value).__name__}"
 
 
 def tree_reasons(layer: LayerSpec) -> list[Reason]:
@@ -165,9 +184,14 @@ class TreePasses:
     token from itself, which ``validate`` refuses)."""
 
 
-def tree_passes(meta: AttentionMetadata) -> TreePasses:
-    """The two passes of ``meta``'s tree verify step (``meta.tree_mask`` must be set). No
-    device sync: lengths come from the host twins, the mask stays on the device."""
+def tree_passes(meta: AttentionMetadata, page_size: int) -> TreePasses:
+    """The two passes of ``meta``'s tree verify step (``meta.tree_mask`` must be set) over a
+    cache of ``page_size``. No device sync: lengths come from the host twins, the mask stays
+    on the device.
+
+    The draft pass finds each visible new token through the page table, like every other key,
+    never through ``slot_mapping``: an engine that stored the drafts itself passes slots of -1
+    ("do not write"), and the keys are where the page table says they are."""
     mask = meta.tree_mask
     if mask is None:
         raise InvalidInputError("meta.tree_mask", "a tree mask", None)
@@ -179,10 +203,10 @@ def tree_passes(meta: AttentionMetadata) -> TreePasses:
     owner = torch.repeat_interleave(torch.arange(qlen.shape[0]), qlen)
     first = qsl[:-1][owner]  # each row's sequence's first query row
     index = torch.arange(t) - first  # each row's new-token index i
-    host = torch.cat([owner, first, index, qlen[owner]])
+    host = torch.cat([owner, index, qlen[owner], ctx_cpu.long()[owner]])
     if dev.type == "cuda":
         host = host.pin_memory()
-    owner_d, first_d, index_d, n_d = host.to(dev, non_blocking=True).split([t, t, t, t])
+    owner_d, index_d, n_d, ctx_d = host.to(dev, non_blocking=True).split([t, t, t, t])
 
     context = dataclasses.replace(
         meta,
@@ -201,8 +225,12 @@ def tree_passes(meta: AttentionMetadata) -> TreePasses:
     # Visible columns first, in order: sort keys j (visible) and m + j (hidden).
     order = torch.where(seen, cols, m + cols).argsort(dim=1)
     count = seen.sum(dim=1, dtype=torch.int32)
-    token_row = (first_d[:, None] + order.clamp_max(m - 1)).clamp(0, max(t - 1, 0))
-    slots = meta.slot_mapping[token_row].clamp_min(0)  # past count: never read
+    # New token j of a row's sequence sits at position context + j. Columns past ``count``
+    # are never read; clamped to the sequence's last token they stay inside its pages.
+    j = torch.minimum(order, (n_d[:, None] - 1).clamp_min(0))
+    pos = (ctx_d[:, None] + j).long()
+    pages = meta.page_table[owner_d[:, None], pos // page_size].long()
+    slots = pages * page_size + pos % page_size
     drafts = AttentionMetadata(
         query_start_loc=torch.arange(t + 1, dtype=torch.int32, device=dev),
         seq_lens=count,

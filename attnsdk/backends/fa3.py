@@ -110,8 +110,8 @@ class FA3Plan(Plan):
     scheduler: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     virtual: dict[tuple[int, int], AttentionMetadata] = field(default_factory=dict)
     """(chunk size, page size) -> the step's virtual batch for chunked layers."""
-    tree: TreePasses | None = None
-    """A tree verify step's two passes (``attnsdk._tree``), or None."""
+    tree: dict[int, TreePasses] = field(default_factory=dict)
+    """Page size -> a tree verify step's two passes (``attnsdk._tree``); empty otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +288,15 @@ class FA3Backend(DeviceStoreBackend):
     def make_plan(self, meta: AttentionMetadata) -> FA3Plan:
         # FA3 reads the metadata tensors as they are; chunked layers need another batch, and a
         # tree step its two passes.
-        plan = FA3Plan(meta, tree=None if meta.tree_mask is None else tree_passes(meta))
+        plan = FA3Plan(meta)
+        if meta.tree_mask is not None:
+            # The draft pass reads through the page table, in the cache's pages: the recorded
+            # page size, else the prepared layouts' (others are planned at their first layer).
+            sizes = (
+                {meta.page_size} if meta.page_size else {lay.page_size for _, lay in self.prepared}
+            )
+            for page_size in sizes:
+                plan.tree[page_size] = tree_passes(meta, page_size)
         if meta.tree_mask is not None or meta.cross_attention:
             return plan  # chunked layers are refused in these steps
         for chunk, page_size in prepared_chunks(self.prepared, meta):
@@ -357,9 +365,8 @@ class FA3Backend(DeviceStoreBackend):
             sinks = sinks.to(torch.bfloat16)
         scales = (k_scale, v_scale)
         if meta.tree_mask is not None:
-            passes = plan.tree if isinstance(plan, FA3Plan) else None
             self._attend_tree(
-                q, cache, plan, passes or tree_passes(meta), layer, st, sinks, scales, out, lse
+                q, cache, plan, self._tree(plan, st.page_size), layer, st, sinks, scales, out, lse
             )
         else:
             precompute = self._precompute and st.latent is None  # as SGLang: none for MLA
@@ -454,6 +461,7 @@ class FA3Backend(DeviceStoreBackend):
         copies (``merge_states`` reads strides), use scheduler metadata made once per plan
         like a plain step, and mask the context pass's lse only when a sequence has none."""
         t, hq = passes.drafts.num_tokens, layer.num_heads
+        q = q[:t]  # rows past num_tokens are unspecified: both passes cover the real ones
         k_pool, v_pool = _token_pools(cache)
         parts = torch.empty(2, t, hq, layer.v_dim, dtype=out.dtype, device=out.device)
         runs = (
@@ -533,6 +541,14 @@ class FA3Backend(DeviceStoreBackend):
             qv=qv,
             return_lse=return_lse,
         )
+
+    def _tree(self, plan: Plan, page_size: int) -> TreePasses:
+        """The tree step's passes over pages of ``page_size``, made once per plan."""
+        cache = plan.tree if isinstance(plan, FA3Plan) else {}
+        passes = cache.get(page_size)
+        if passes is None:
+            passes = cache[page_size] = tree_passes(plan.metadata, page_size)
+        return passes
 
     def _virtual(self, plan: Plan, chunk: int, page_size: int) -> AttentionMetadata:
         """The step's virtual batch for chunks of ``chunk`` tokens, made once per plan: by

@@ -519,7 +519,9 @@ def _build_mask(
     # Query gather (padded rows repeat a real row: finite, discarded) and output scatter.
     j = torch.arange(lb, device=dev, dtype=torch.int64)
     q_index = qsl_p.long()[:, None] + j.clamp_max(qlen_p.long()[:, None] - 1).clamp_min(0)
-    q_index = q_index.clamp(0, t - 1).flatten()
+    # Rows past num_tokens (allowed, unspecified) are never gathered: the tree mask has
+    # only num_tokens rows for sure.
+    q_index = q_index.clamp(0, max(1, min(t, meta.num_tokens)) - 1).flatten()
     tok = torch.arange(t, device=dev, dtype=i32)
     seq_of = torch.searchsorted(qsl[1:], tok, right=True).clamp_max(b - 1)
     out_row = seq_of.long() * lb + (tok - qsl[seq_of]).long().clamp(0, lb - 1)

@@ -18,9 +18,18 @@ read and write the same paged K/V, so steps of different kinds interleave freely
 CUDA graphs: captured steps run on the ``decode`` route's backend (engines capture decode and
 uniform verify batches); its ``graph_support`` is the routed backend's.
 
-``lse=`` goes to the step's backend; it is served only when every route serves it (the same
-call must not succeed on decode steps and fail on prefills), and ``Feature.LSE`` is in
-``capabilities`` only then.
+One rule for the features a step or a call asks for: ``capabilities`` declares a feature
+exactly when every step that can ask for it lands on a backend that serves it, and a step or
+call without it is refused (typed, before anything is written), never served on one route and
+refused on another.
+
+- A step with a ``tree_mask`` (speculative verify) or ``cross_attention`` is a ``mixed`` step
+  whatever its lengths: ``TREE_MASK`` and ``CROSS_ATTENTION`` are the mixed route's.
+- ``lse=`` and ``forward_ragged`` may come with a step of any kind: ``LSE`` and ``RAGGED`` are
+  declared only when every route serves them. ``forward_ragged`` runs on the step's route
+  (a ragged prefill on the prefill route).
+
+``explain()`` lists each of these features with the route that serves it or why not.
 """
 
 from __future__ import annotations
@@ -34,7 +43,13 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from attnsdk._backend import Backend, Plan
 from attnsdk._base import lse_reasons_of
-from attnsdk._capabilities import Capabilities, Feature, Reason, ReasonKind
+from attnsdk._capabilities import (
+    Capabilities,
+    Feature,
+    Reason,
+    ReasonKind,
+    step_capability_reasons,
+)
 from attnsdk._errors import InvalidInputError, UnsupportedConfigError
 from attnsdk._kv import KVCache, KVCacheLayout
 from attnsdk._layer import LayerSpec
@@ -46,7 +61,7 @@ if TYPE_CHECKING:
     from attnsdk._graph import GraphBuffers
     from attnsdk._metadata import AttentionMetadata
 
-__all__ = ["KINDS", "RoutedBackend", "RoutedOptions", "RoutedPlan", "step_kind"]
+__all__ = ["KINDS", "STEP_FEATURES", "RoutedBackend", "RoutedOptions", "RoutedPlan", "step_kind"]
 
 KINDS = ("decode", "prefill", "mixed")
 """Step kinds, in the order ``routes`` lists them."""
@@ -91,8 +106,20 @@ class RoutedPlan(Plan):
     inner: Plan | None = None
 
 
+STEP_FEATURES = {
+    Feature.TREE_MASK: ("mixed",),
+    Feature.CROSS_ATTENTION: ("mixed",),
+    Feature.LSE: KINDS,
+    Feature.RAGGED: KINDS,
+}
+"""The features a step or call asks for, and the routes such a step can land on."""
+
+
 def step_kind(meta: AttentionMetadata) -> str:
-    """ "decode", "prefill" or "mixed", from the host twins (no device sync)."""
+    """ "decode", "prefill" or "mixed", from the host twins (no device sync). A tree verify or
+    cross-attention step is "mixed" whatever its lengths (module docstring)."""
+    if meta.tree_mask is not None or meta.cross_attention:
+        return "mixed"
     if meta.max_query_len <= 1:
         return "decode"
     qsl = meta.query_start_loc_cpu
@@ -183,8 +210,10 @@ class RoutedBackend:
                 warmup(device)
 
     def explain(self) -> dict[str, dict[str, object]]:
-        """Per step kind: the backend it runs on and why each earlier candidate was passed over."""
-        return {
+        """Per step kind: the backend it runs on and why each earlier candidate was passed
+        over; under ``"features"``, per step feature (``STEP_FEATURES``): served, or the routes
+        whose backend lacks it."""
+        report: dict[str, dict[str, object]] = {
             kind: {
                 "backend": self.routes[kind],
                 "passed_over": {
@@ -193,11 +222,32 @@ class RoutedBackend:
             }
             for kind in KINDS
         }
+        report["features"] = {
+            feature.value: (
+                "served"
+                if not lacking
+                else "refused: "
+                + ", ".join(f"{k} route ({self.routes[k]})" for k in lacking)
+                + " lacks it"
+            )
+            for feature, lacking in self._lacking().items()
+        }
+        return report
+
+    def _lacking(self) -> dict[Feature, list[str]]:
+        """Per step feature: the routes a step asking for it can land on whose backend lacks it."""
+        return {
+            feature: [k for k in kinds if feature not in self._backends[k].capabilities.features]
+            for feature, kinds in STEP_FEATURES.items()
+        }
 
     # -- per step and per layer -------------------------------------------------------------
 
     def plan(self, meta: AttentionMetadata) -> RoutedPlan:
         check_metadata(meta)
+        reasons = step_capability_reasons(self.capabilities, meta)
+        if reasons:
+            raise UnsupportedConfigError("the routed backend cannot serve this step:", reasons)
         kind = step_kind(meta)
         backend = self._backends[kind]
         return RoutedPlan(meta, kind=kind, backend=backend, inner=backend.plan(meta))
@@ -253,6 +303,44 @@ class RoutedBackend:
             # only when asked for: a protocol backend written before lse= still serves a route
             **({} if lse is None else {"lse": lse}),
         )
+
+    def forward_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward_ragged`` on the step's route (module docstring); refused, typed, when some
+        route's backend has no ragged attention."""
+        lacking = self._lacking()[Feature.RAGGED]
+        if lacking:
+            raise UnsupportedConfigError(
+                "the routed backend cannot run forward_ragged on every route:",
+                [_lacks(kind, self.routes[kind], "ragged") for kind in lacking],
+            )
+        if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
+            found = type(plan).__name__
+            raise InvalidInputError("plan", "a RoutedPlan from this backend's plan()", found)
+        ragged = plan.backend.forward_ragged  # type: ignore[attr-defined]
+        return ragged(q, k, v, plan.inner, layer, sinks=sinks, out=out, lse=lse)
+
+    def ragged_reasons(self, layer: LayerSpec, device: torch.device | str | None) -> list[Reason]:
+        """Why some route cannot run ``forward_ragged`` for ``layer`` (field ``<kind>.<field>``)."""
+        found = set()
+        for kind in KINDS:
+            backend = self._backends[kind]
+            if Feature.RAGGED not in backend.capabilities.features:
+                found.add(_lacks(kind, self.routes[kind], "ragged"))
+                continue
+            for r in backend.ragged_reasons(layer, device):  # type: ignore[attr-defined]
+                found.add(Reason(r.kind, f"{kind}.{r.field}", r.message))
+        return sorted(found)
 
     def lse_reasons(
         self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
@@ -331,16 +419,21 @@ class RoutedBackend:
         self._passed_over = passed
         self._served = set()
         self._lse_served = set()
-        # Graphs run on the decode route: its capabilities (graph support too) are ours, but
-        # lse=, tree masks and cross-attention are served only where every route serves them.
-        # Ragged calls are not routed (they read no cache, so any backend of the caller's
-        # serves them: create_backend("fa3").forward_ragged).
+        # Graphs run on the decode route: its capabilities (graph support too) are ours, but a
+        # step feature only where every route such a step can land on serves it.
         caps = self._backends["decode"].capabilities
-        caps = dataclasses.replace(caps, features=caps.features - {Feature.RAGGED})
-        for feature in (Feature.LSE, Feature.TREE_MASK, Feature.CROSS_ATTENTION):
-            if any(feature not in b.capabilities.features for b in self._backends.values()):
-                caps = dataclasses.replace(caps, features=caps.features - {feature})
-        self.capabilities = caps
+        lacking = {f for f, routes in self._lacking().items() if routes}
+        served = {f for f in STEP_FEATURES if f not in lacking}
+        features = caps.features - set(STEP_FEATURES) | served
+        self.capabilities = dataclasses.replace(caps, features=frozenset(features))
+
+
+def _lacks(kind: str, backend: str, feature: str) -> Reason:
+    return Reason(
+        ReasonKind.CONFIGURATION,
+        f"{kind}.{feature}",
+        f"is not supported by the {kind} route's backend ({backend})",
+    )
 
 
 def _route_reasons(

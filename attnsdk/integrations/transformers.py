@@ -17,7 +17,9 @@ it against the pattern it computes, row by row: no padding and left padding (``g
 left-padded batch, a padded encoder batch) are served exactly; anything else (right padding in a
 causal model, packed sequences, custom masks) raises ``UnsupportedConfigError`` rather than
 computing something else. Query rows the mask leaves without any key (left padding in a causal
-prefill) come out as zeros. Inference only: dropout > 0 is refused.
+prefill) come out as zeros. Inference only: dropout > 0 is refused, and so is a call that would
+need gradients (grad mode on and an input that requires grad: run under ``torch.no_grad()``,
+as ``generate`` does, or train with ``attn_implementation='sdpa'``).
 
 Shape legend: B batch rows, Sq new query tokens per row, Sk keys per row (cached + new),
 Hq / Hkv query / KV heads, D / Dv QK / V head dims.
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attnsdk._backend import check_no_grad
 from attnsdk._capabilities import Reason, ReasonKind
 from attnsdk._errors import BackendUnavailableError, InvalidInputError, UnsupportedConfigError
 from attnsdk._kv import KVCache, KVCacheLayout
@@ -132,6 +135,9 @@ class _AttentionFunction:
         layer = layer_spec(module, query, key, value, scaling, dropout, **kwargs)
         b, sq, sk = query.shape[0], query.shape[2], key.shape[2]
         sinks = kwargs.get("s_aux")
+        # Before the scratch cache is touched: a tensor that requires grad copied into it would
+        # keep the cache in the autograd graph for every later call.
+        check_no_grad(query=query, key=key, value=value, s_aux=sinks)
         segments = _segments(attention_mask, layer, b, sq, sk, getattr(module, "layer_idx", None))
         return self._attend(query, key, value, layer, segments, sinks), None
 
@@ -157,10 +163,11 @@ class _AttentionFunction:
         cache = self._cache(key, value, query.dtype, next_page)
         k_flat = cache.k.view(-1, layer.num_kv_heads, layer.head_dim)
         v_flat = cache.v.view(-1, layer.num_kv_heads, layer.v_dim)
-        for row, (page, lo, hi) in spans.items():
-            start = page * PAGE_SIZE
-            k_flat[start : start + hi - lo] = key[row, :, lo:hi].transpose(0, 1)
-            v_flat[start : start + hi - lo] = value[row, :, lo:hi].transpose(0, 1)
+        with torch.no_grad():  # the scratch cache is state shared by every call: no graph in it
+            for row, (page, lo, hi) in spans.items():
+                start = page * PAGE_SIZE
+                k_flat[start : start + hi - lo] = key[row, :, lo:hi].transpose(0, 1)
+                v_flat[start : start + hi - lo] = value[row, :, lo:hi].transpose(0, 1)
         width = max((-(-(s.hi - s.lo) // PAGE_SIZE) for s in segments), default=1)
         page_table = [
             [spans[s.b][0] + i for i in range(width)] for s in segments

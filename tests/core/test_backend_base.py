@@ -237,3 +237,35 @@ def test_option_reasons_follow_the_options_everywhere() -> None:
         assert chosen.name == "strict"
     finally:
         registration.remove()
+
+
+@pytest.mark.parametrize("needs", ["q", "k", "v", "sinks"])
+def test_a_call_that_would_need_gradients_is_refused_before_writing(needs: str) -> None:
+    """No backend computes a backward: an input that requires grad under grad mode is refused,
+    named, before the cache, ``out`` or ``lse`` change; the same call under ``no_grad`` runs."""
+    layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, has_sinks=True)
+    batch = make_batch(BatchSpec.mixed(seed=2), layer, LAYOUT, seed=2)
+    backend = ReferenceBackend()
+    args = {"q": batch.q, "k": batch.k, "v": batch.v, "sinks": batch.sinks}
+    args[needs] = args[needs].clone().requires_grad_(True)
+    cache = batch.fresh_cache()
+    out = torch.full((batch.q.shape[0], 4, 16), 7.0)
+    lse = torch.full((batch.q.shape[0], 4), 7.0)
+    plan = backend.plan(batch.metadata)
+    with pytest.raises(A.UnsupportedConfigError, match="inference only") as err:
+        backend.forward(args["q"], args["k"], args["v"], cache, plan, layer,
+                        sinks=args["sinks"], out=out, lse=lse)  # fmt: skip
+    assert [r.field for r in err.value.reasons] == [f"{needs}.requires_grad"]
+    assert torch.equal(cache.k, batch.cache.k)
+    assert torch.equal(cache.v, batch.cache.v)
+    assert bool((out == 7).all())
+    assert bool((lse == 7).all())
+    ragged = backend.plan(A.AttentionMetadata.for_ragged([2, 3], [2, 3]))
+    with pytest.raises(A.UnsupportedConfigError, match="inference only"):
+        backend.forward_ragged(args["q"][:5], args["k"][:5], args["v"][:5], ragged, layer,
+                               sinks=args["sinks"])  # fmt: skip
+    with torch.no_grad():
+        got = backend.forward(args["q"], args["k"], args["v"], cache, plan, layer,
+                              sinks=args["sinks"])  # fmt: skip
+    want, _ = batch.run(backend)
+    assert_close_to_reference(got, want)

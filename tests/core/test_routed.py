@@ -20,10 +20,12 @@ PLAIN = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16)
 SOFTCAP = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, softcap=20.0)
 
 
-def counting(name: str, *, softcap: bool = True, lse: bool = True) -> type[ReferenceBackend]:
-    """The reference maths under another name, counting forwards, optionally without softcap
-    or without the log-sum-exp."""
-    features = set(A.Feature) - (set() if softcap else {A.Feature.SOFTCAP})
+def counting(
+    name: str, *, softcap: bool = True, lse: bool = True, without: tuple[A.Feature, ...] = ()
+) -> type[ReferenceBackend]:
+    """The reference maths under another name, counting forwards, optionally without softcap,
+    without the log-sum-exp, or without other ``features``."""
+    features = set(A.Feature) - (set() if softcap else {A.Feature.SOFTCAP}) - set(without)
     features -= set() if lse else {A.Feature.LSE}
 
     class Counting(ReferenceBackend):
@@ -279,3 +281,89 @@ def test_lse_one_route_cannot_return_is_refused_on_every_step() -> None:
     finally:
         for h in handles:
             h.remove()
+
+
+@pytest.fixture
+def no_trees_on_decode() -> Iterator[None]:
+    """A decode backend without tree masks, cross-attention or ragged attention (as flashinfer
+    is) and a full one for the other routes."""
+    without = (A.Feature.TREE_MASK, A.Feature.CROSS_ATTENTION, A.Feature.RAGGED)
+    handles = [
+        A.register_backend("dec", counting("dec", without=without)),
+        A.register_backend("mix", counting("mix")),
+    ]
+    yield
+    for h in handles:
+        h.remove()
+
+
+def _routed(decode: str, prefill: str, mixed: str) -> RoutedBackend:
+    config = A.AttentionConfig(backend="routed", decode=decode, prefill=prefill, mixed=mixed)
+    backend = A.create_backend(config, device="cpu")
+    assert isinstance(backend, RoutedBackend)
+    return backend
+
+
+def test_tree_and_cross_steps_are_mixed_steps_and_declared_by_that_route(
+    no_trees_on_decode: None,
+) -> None:
+    """A tree step with one draft per sequence has decode lengths but is a mixed step: it runs
+    on the mixed route, which serves trees, so the routed backend declares them and serves
+    every tree step, whatever its lengths (and the same for cross-attention)."""
+    backend = _routed("dec", "mix", "mix")
+    assert {A.Feature.TREE_MASK, A.Feature.CROSS_ATTENTION} <= backend.capabilities.features
+    mask = A.tree_mask_from_parents([[-1], [-1]])
+    one_draft = A.AttentionMetadata.from_seqlens([1, 1], [9, 5], [[1, 2, 3], [4, 5, 0]], 4,
+                                                 tree_mask=mask)  # fmt: skip
+    assert step_kind(one_draft) == "mixed"
+    plan = backend.plan(one_draft)
+    assert isinstance(plan, RoutedPlan)
+    assert plan.kind == "mixed"
+    cross = A.AttentionMetadata.from_seqlens([1], [6], [[1, 2]], 4, cross_attention=True)
+    assert step_kind(cross) == "mixed"
+    features = backend.explain()["features"]
+    assert features["tree_mask"] == features["cross_attention"] == "served"
+
+
+def test_a_step_feature_the_mixed_route_lacks_is_refused_at_plan(no_trees_on_decode: None) -> None:
+    """The mixed route without trees: not declared, every tree step refused at plan() with
+    the route named, and explain() says why."""
+    backend = _routed("mix", "mix", "dec")
+    assert A.Feature.TREE_MASK not in backend.capabilities.features
+    spec = BatchSpec.verify(batch_size=2, draft_tokens=3, seed=1)
+    batch = make_batch(spec, PLAIN, LAYOUT, tree=True)
+    with pytest.raises(A.UnsupportedConfigError, match="cannot serve this step") as info:
+        backend.plan(batch.metadata)
+    assert [r.field for r in info.value.reasons] == ["tree_mask"]
+    assert "mixed route (dec) lacks it" in str(backend.explain()["features"]["tree_mask"])
+
+
+def test_forward_ragged_runs_on_the_step_s_route_when_every_route_has_it(
+    three: dict[str, type[ReferenceBackend]],
+) -> None:
+    backend = routed_over_three()
+    assert A.Feature.RAGGED in backend.capabilities.features
+    assert backend.ragged_reasons(PLAIN, "cpu") == []
+    torch.manual_seed(0)
+    meta = A.AttentionMetadata.for_ragged([3, 2], [3, 2])
+    q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    reference = ReferenceBackend()
+    want = reference.forward_ragged(q, k, v, reference.plan(meta), PLAIN)
+    plan = backend.plan(meta)
+    assert isinstance(plan, RoutedPlan)
+    assert plan.kind == "prefill"
+    torch.testing.assert_close(backend.forward_ragged(q, k, v, plan, PLAIN), want)
+
+
+def test_forward_ragged_one_route_lacks_is_refused_typed(no_trees_on_decode: None) -> None:
+    backend = _routed("dec", "mix", "mix")
+    assert A.Feature.RAGGED not in backend.capabilities.features
+    assert [r.field for r in backend.ragged_reasons(PLAIN, "cpu")] == ["decode.ragged"]
+    meta = A.AttentionMetadata.for_ragged([3], [3])
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    out = torch.full((3, 4, 16), 7.0)
+    with pytest.raises(A.UnsupportedConfigError, match="forward_ragged on every route") as info:
+        backend.forward_ragged(q, k, k, backend.plan(meta), PLAIN, out=out)
+    assert [r.field for r in info.value.reasons] == ["decode.ragged"]
+    assert bool((out == 7).all())
+    assert "decode route (dec) lacks it" in str(backend.explain()["features"]["ragged"])

@@ -144,11 +144,11 @@ def test_tree_passes_say_on_the_host_whether_a_sequence_has_no_context() -> None
     from attnsdk._tree import tree_passes
 
     mask = tree_mask_from_parents([[-1, 0, 0], [-1, 0]])
-    with_context = tree_passes(_meta(mask))
+    with_context = tree_passes(_meta(mask), 16)
     assert not with_context.some_context_empty
     assert not bool(with_context.context_empty.any())
     fresh = A.AttentionMetadata.from_seqlens([3, 2], [23, 2], [[1, 2], [3, 4]], 16, tree_mask=mask)
-    passes = tree_passes(fresh)  # the second sequence's drafts are all it has
+    passes = tree_passes(fresh, 16)  # the second sequence's drafts are all it has
     assert passes.some_context_empty
     assert passes.context_empty.tolist() == [False, False, False, True, True]
     assert passes.drafts.seq_lens.tolist() == [1, 2, 2, 1, 2]
@@ -274,3 +274,58 @@ def test_a_chain_tree_is_plain_causal_and_a_branch_is_not(name: str) -> None:
     branch = with_tree([-1, 0, 0, 1, 2])  # token 2 does not see token 1
     assert float((branch[2] - causal[2]).abs().max()) > 1e-2
     assert_close_to_reference(branch[:2], causal[:2], atol=1e-5, rtol=1e-5)
+
+
+# -- drafts the engine stored itself, and rows the step does not own ---------------------------
+
+
+TREE_BACKENDS = ("fa3", "flex")
+
+
+def _tree_backend(name: str, monkeypatch: pytest.MonkeyPatch) -> A.Backend:
+    if name == "fa3":
+        fake_fa3(monkeypatch)
+        return CPUFA3()
+    return FlexBackend(FlexOptions(compile=False))
+
+
+@pytest.mark.parametrize("name", TREE_BACKENDS)
+def test_drafts_the_engine_stored_are_read_through_the_page_table(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that wrote the drafts itself passes k = v = None and slots of -1 ("do not
+    write"): every key, the drafts included, is where the page table says it is."""
+    backend = _tree_backend(name, monkeypatch)
+    r = random.Random(11)
+    for seed in range(12):
+        spec = BatchSpec.random(r, max_batch=4, max_context=40, max_query=6)
+        batch = _fa3_tree_batch(spec, seed=seed)
+        stored = batch.fresh_cache()
+        meta = batch.metadata
+        t = meta.num_tokens
+        stored.store(batch.k[:t], batch.v[:t], meta.slot_mapping[:t])  # the engine's own write
+        unwritten = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
+        want = reference.forward(batch.q, None, None, stored, reference.plan(unwritten), FA3_LAYER)
+        got = backend.forward(batch.q, None, None, stored, backend.plan(unwritten), FA3_LAYER)
+        assert_close_to_reference(got[:t], want[:t], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["reference", *TREE_BACKENDS])
+def test_a_tree_step_serves_extra_rows_and_a_last_sequence_without_queries(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q may have more rows than ``num_tokens`` (their output is unspecified) and the last
+    sequence may have no queries: both are served as the reference serves them, not a crash
+    after the store."""
+    backend = reference if name == "reference" else _tree_backend(name, monkeypatch)
+    spec = BatchSpec((3, 2, 0), (20, 9, 5), "verify")
+    batch = _fa3_tree_batch(spec, seed=3)
+    t = batch.metadata.num_tokens
+    extra = 3
+    q, k, v = (torch.cat([x, x[:extra]]) for x in (batch.q, batch.k, batch.v))
+    want_cache, got_cache = batch.fresh_cache(), batch.fresh_cache()
+    want = reference.forward(q, k, v, want_cache, reference.plan(batch.metadata), FA3_LAYER)
+    got = backend.forward(q, k, v, got_cache, backend.plan(batch.metadata), FA3_LAYER)
+    assert got.shape[0] == t + extra
+    assert_close_to_reference(got[:t], want[:t], atol=2e-2, rtol=2e-2)
+    assert torch.equal(got_cache.k, want_cache.k)

@@ -187,3 +187,25 @@ def test_docs_snippet_runs() -> None:
     doc = (ROOT / "docs" / "integrations" / "transformers.md").read_text()
     (code,) = re.findall(r"^```python\n(.*?)^```$", doc, re.DOTALL | re.MULTILINE)
     exec(compile(code, "docs/integrations/transformers.md", "exec"), {"__name__": "snippet"})
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_a_forward_that_needs_gradients_is_refused_and_leaves_nothing_behind(
+    names: dict[str, str], backend: str
+) -> None:
+    """attnsdk computes no gradients: training through it (here with non-reentrant gradient
+    checkpointing, which once gave NaN gradients silently) is refused with the reason, and the
+    refused call leaves no state behind: the next inference call still matches eager."""
+    eager, ours = _pair(CONFIGS["llama"](), names[backend])
+    ours.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ours.train()
+    ids = torch.randint(1, 128, (2, 7))
+    with pytest.raises(UnsupportedConfigError, match=r"query\.requires_grad.*torch\.no_grad"):
+        ours(ids, labels=ids).loss.backward()
+    ours.eval()
+    with pytest.raises(UnsupportedConfigError, match="inference only"):
+        ours(ids)  # grad mode on, weights require grad
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, atol=ATOL, rtol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, atol=ATOL, rtol=0)
