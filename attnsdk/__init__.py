@@ -3,26 +3,28 @@
 Read docs/architecture.md for how the pieces fit. The public API is exactly ``__all__``.
 """
 
-from attnsdk._backend import Backend, Plan
-from attnsdk._base import BackendBase, BackendClass, NoOptions
-from attnsdk._capabilities import Capabilities, Feature, GraphSupport, Reason, ReasonKind
-from attnsdk._config import AttentionConfig, AutoOptions
-from attnsdk._create import create_backend, explain
-from attnsdk._errors import (
+from attnsdk.backends.base import BackendBase, GraphHooks
+from attnsdk.backends.graphs import GraphRunner
+from attnsdk.contract.backend import Backend, BackendClass, NoOptions
+from attnsdk.contract.capabilities import Capabilities, Feature, GraphSupport
+from attnsdk.contract.errors import (
     AttnSDKError,
     BackendUnavailableError,
     InvalidInputError,
     InvalidMetadataError,
+    Reason,
+    ReasonKind,
     UnsupportedConfigError,
 )
-from attnsdk._graph import GraphBuffers, GraphHooks
-from attnsdk._kv import KVCache, KVCacheLayout, KVOrder
-from attnsdk._layer import LayerSpec
-from attnsdk._merge import merge_states
-from attnsdk._metadata import AttentionMetadata
-from attnsdk._registry import Registration, backend_names, register_backend
-from attnsdk._tree import tree_mask_from_parents
-from attnsdk.graphs import GraphRunner
+from attnsdk.contract.kv import KVCache, KVCacheLayout, KVOrder
+from attnsdk.contract.layer import LayerSpec
+from attnsdk.contract.metadata import AttentionMetadata
+from attnsdk.contract.plan import GraphBuffers, Plan
+from attnsdk.features.tree import tree_mask_from_parents
+from attnsdk.kernels.merge import merge_states
+from attnsdk.selection.config import AttentionConfig, AutoOptions
+from attnsdk.selection.create import create_backend, explain
+from attnsdk.selection.registry import Registration, backend_names, register_backend
 
 __version__ = "0.1.0"
 

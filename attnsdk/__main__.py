@@ -1,10 +1,10 @@
-"""``attnsdk`` / ``python -m attnsdk``: see ``attnsdk._cli`` and docs/cli.md."""
+"""``attnsdk`` / ``python -m attnsdk``: see ``attnsdk._cli.main`` and docs/cli.md."""
 
 from __future__ import annotations
 
 import sys
 
-from attnsdk._cli import main
+from attnsdk._cli.main import main
 
 __all__ = ["main"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from attnsdk._cli import main
+from attnsdk._cli.main import main
 
 
 def run(suite: str) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import attnsdk as A
-from attnsdk._bench import eager_us, graph_us, measure_ceilings, write_results
+from attnsdk._bench.common import eager_us, graph_us, measure_ceilings, write_results
 from attnsdk.testing import BatchSpec, make_batch
 
 RANK, ROPE, PAGE = 512, 64, 64

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import attnsdk as A
-from attnsdk._bench import DTYPE, LAYER, PAGE, Column, format_table, graph_us, host_us
+from attnsdk._bench.common import DTYPE, LAYER, PAGE, Column, format_table, graph_us, host_us
 from attnsdk.backends.fa3 import FA3Options
 
 COLUMNS = [

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import attnsdk as A
-from attnsdk._bench import DTYPE, LAYER, PAGE, Column, format_table, host_us
-from attnsdk._cli_bench import parse_names, select_backends
+from attnsdk._bench.common import DTYPE, LAYER, PAGE, Column, format_table, host_us
+from attnsdk._cli.bench import parse_names, select_backends
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_CTX = 4096

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import attnsdk as A
-from attnsdk._bench import eager_us, host_us, measure_ceilings, write_results
+from attnsdk._bench.common import eager_us, host_us, measure_ceilings, write_results
 
 D, DV = 192, 128
 SCALE = 192**-0.5

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import attnsdk as A
-from attnsdk._bench import eager_us, host_us, write_results
+from attnsdk._bench.common import eager_us, host_us, write_results
 from attnsdk.testing import BatchSpec, make_batch
 
 DRAFTS = [-1, 0, 0, 1, 1, 2, 2, 3]

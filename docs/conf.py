@@ -53,7 +53,7 @@ nitpick_ignore_regex = [
 
 
 def _public_name(app: Sphinx, env: BuildEnvironment, node: Element, contnode: TextElement) -> Any:
-    """Resolve ``attnsdk._kv.KVCache`` (the defining module, which signatures name) to
+    """Resolve ``attnsdk.contract.kv.KVCache`` (the defining module, which signatures name) to
     ``attnsdk.KVCache`` (the public name this reference documents)."""
     if node.get("refdomain") != "py":
         return None

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from attnsdk.backends._fa3_kernels import INSTALL_COMMAND, PROVIDERS, find_provider
-from attnsdk.backends._gpu import module_present
+from attnsdk.backends.fa3.kernels import INSTALL_COMMAND, PROVIDERS, find_provider
+from attnsdk.kernels.probes import module_present
 
 torch.set_num_threads(1)
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import attnsdk._capabilities as caps_module
-from attnsdk.backends import fa3
+import attnsdk.contract.capabilities as caps_module
 from attnsdk.backends.fa3 import FA3Backend
+from attnsdk.backends.fa3 import backend as fa3
 
 if TYPE_CHECKING:
     import pytest

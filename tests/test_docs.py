@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 import pytest
 
-from attnsdk import AutoOptions, _registry
+from attnsdk import AutoOptions
 from attnsdk.backends.fa3 import FA3Options
 from attnsdk.backends.flashinfer import FlashInferOptions
 from attnsdk.backends.flex import FlexOptions
 from attnsdk.backends.reference import ReferenceOptions
-from attnsdk.backends.routed import RoutedOptions
+from attnsdk.selection import registry as _registry
+from attnsdk.selection.routed import RoutedOptions
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -91,7 +92,7 @@ OPTION_MODELS: list[tuple[str, type[BaseModel], str]] = [
     ("fa3", FA3Options, "attnsdk.backends.fa3.FA3Options"),
     ("flashinfer", FlashInferOptions, "attnsdk.backends.flashinfer.FlashInferOptions"),
     ("flex", FlexOptions, "attnsdk.backends.flex.FlexOptions"),
-    ("routed", RoutedOptions, "attnsdk.backends.routed.RoutedOptions"),
+    ("routed", RoutedOptions, "attnsdk.selection.routed.RoutedOptions"),
     ("auto", AutoOptions, "attnsdk.AutoOptions"),
 ]
 

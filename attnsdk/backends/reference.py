@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from attnsdk._base import BackendBase
-from attnsdk._capabilities import Capabilities, Feature, GraphSupport
-from attnsdk._kv import FP8_KV_DTYPES, KVOrder
-from attnsdk._validate import check_pages
+from attnsdk.backends.base import BackendBase
+from attnsdk.contract.capabilities import Capabilities, Feature, GraphSupport
+from attnsdk.contract.kv import FP8_KV_DTYPES, KVOrder
+from attnsdk.contract.validate import check_pages
 
 if TYPE_CHECKING:
-    from attnsdk._backend import Plan
-    from attnsdk._kv import KVCache
-    from attnsdk._layer import LayerSpec
+    from attnsdk.contract.kv import KVCache
+    from attnsdk.contract.layer import LayerSpec
+    from attnsdk.contract.plan import Plan
 
 __all__ = ["ReferenceBackend", "ReferenceOptions"]
 

@@ -33,16 +33,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnsdk._backend import check_no_grad
-from attnsdk._capabilities import Reason, ReasonKind
-from attnsdk._errors import BackendUnavailableError, InvalidInputError, UnsupportedConfigError
-from attnsdk._kv import KVCache, KVCacheLayout
-from attnsdk._layer import LayerSpec
-from attnsdk._metadata import AttentionMetadata
+from attnsdk.contract.backend import check_no_grad
+from attnsdk.contract.errors import (
+    BackendUnavailableError,
+    InvalidInputError,
+    Reason,
+    ReasonKind,
+    UnsupportedConfigError,
+)
+from attnsdk.contract.kv import KVCache, KVCacheLayout
+from attnsdk.contract.layer import LayerSpec
+from attnsdk.contract.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from attnsdk._backend import Backend
-    from attnsdk._config import AttentionConfig
+    from attnsdk.contract.backend import Backend
+    from attnsdk.selection.config import AttentionConfig
 
 __all__ = ["layer_spec", "register"]
 
@@ -116,7 +121,7 @@ class _AttentionFunction:
     def backend(self, device: torch.device) -> Backend:
         with self._lock:
             if device not in self._backends:
-                from attnsdk._create import create_backend
+                from attnsdk.selection.create import create_backend
 
                 self._backends[device] = create_backend(self.config, device=device)
             return self._backends[device]

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from attnsdk._errors import InvalidInputError
-from attnsdk._kv import KVCache, KVCacheLayout, KVOrder, quantize
-from attnsdk._metadata import AttentionMetadata
-from attnsdk._tree import tree_mask_from_parents
+from attnsdk.contract.errors import InvalidInputError
+from attnsdk.contract.kv import KVCache, KVCacheLayout, KVOrder, quantize
+from attnsdk.contract.metadata import AttentionMetadata
+from attnsdk.features.tree import tree_mask_from_parents
 
 if TYPE_CHECKING:
-    from attnsdk._backend import Backend
-    from attnsdk._layer import LayerSpec
+    from attnsdk.contract.backend import Backend
+    from attnsdk.contract.layer import LayerSpec
     from attnsdk.testing._spec import BatchSpec
 
 __all__ = ["Batch", "PageOrder", "assign_pages", "make_batch"]

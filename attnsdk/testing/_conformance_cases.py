@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from attnsdk._base import BackendBase
-from attnsdk._kv import KVCache, KVCacheLayout
-from attnsdk._layer import LayerSpec
-from attnsdk._metadata import AttentionMetadata
+from attnsdk.backends.base import BackendBase
+from attnsdk.contract.kv import KVCache, KVCacheLayout
+from attnsdk.contract.layer import LayerSpec
+from attnsdk.contract.metadata import AttentionMetadata
 from attnsdk.testing._spec import BatchSpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from attnsdk._backend import Backend
-    from attnsdk._config import AttentionConfig
+    from attnsdk.contract.backend import Backend
+    from attnsdk.selection.config import AttentionConfig
     from attnsdk.testing._batch import PageOrder
 
 _E4M3 = torch.float8_e4m3fn
@@ -112,9 +112,9 @@ _LSE_TOLERANCE = (5e-3, 1e-3)
 approximate exp2 / tanh (softcap) instructions. A missing sink term or a base-2 value misses it
 by far more (the sink cases check that sinks move the lse by 10 * atol at least)."""
 _CROSS_FEATURES = ("noncausal", "noncausal-sinks-softcap", "fp8-noncausal")
-"""Layers a cross-attention step runs on (non-causal, no window, no chunks: ``attnsdk._cross``)."""
+"""Layers a cross-attention step runs on (non-causal, no window, no chunks: ``attnsdk.features.cross``)."""
 _TREE_FEATURES = ("gqa", "mqa", "softcap", "sinks", "v-head-dim", "fp8-e4m3", "mla", "mla-small")
-"""Layers a tree verify step runs on (causal, no window, no chunks: ``attnsdk._tree``)."""
+"""Layers a tree verify step runs on (causal, no window, no chunks: ``attnsdk.features.tree``)."""
 _TREE_PRESETS = ("verify", "mixed", "prefill", "empty_rows")
 """Trees over contexts, next to decodes and prefills, without context, and beside empty rows."""
 _CHUNKED = ("chunked", "chunked-window", "chunked-noncausal", "chunked-sinks", "chunked-24")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from attnsdk._errors import InvalidMetadataError
+from attnsdk.contract.errors import InvalidMetadataError
 
 __all__ = ["BatchSpec"]
 

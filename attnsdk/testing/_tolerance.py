@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnsdk._kv import FP8_KV_DTYPES
+from attnsdk.contract.kv import FP8_KV_DTYPES
 
 __all__ = ["assert_close_to_reference", "tolerance"]
 

@@ -55,23 +55,22 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import pytest
 import torch
 
-from attnsdk._backend import Backend
-from attnsdk._base import BackendBase, lse_reasons_of
-from attnsdk._capabilities import (
+from attnsdk.backends.base import BackendBase, lse_reasons_of
+from attnsdk.backends.graphs import GraphRunner
+from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.contract.backend import Backend
+from attnsdk.contract.capabilities import (
     GraphSupport,
-    Reason,
     lse_capability_reasons,
     paged_cross_reasons,
     step_capability_reasons,
 )
-from attnsdk._create import create_backend, explain
-from attnsdk._errors import InvalidMetadataError, UnsupportedConfigError
-from attnsdk._kv import COMPUTE_DTYPES, KVCacheLayout
-from attnsdk._layer import LayerSpec
-from attnsdk._merge import merge_states
-from attnsdk._metadata import AttentionMetadata
-from attnsdk.backends.reference import ReferenceBackend
-from attnsdk.graphs import GraphRunner
+from attnsdk.contract.errors import InvalidMetadataError, Reason, UnsupportedConfigError
+from attnsdk.contract.kv import COMPUTE_DTYPES, KVCacheLayout
+from attnsdk.contract.layer import LayerSpec
+from attnsdk.contract.metadata import AttentionMetadata
+from attnsdk.kernels.merge import merge_states
+from attnsdk.selection.create import create_backend, explain
 from attnsdk.testing._batch import Batch, make_batch
 from attnsdk.testing._conformance_cases import (
     _CHUNKED,
@@ -114,7 +113,7 @@ from attnsdk.testing._tolerance import assert_close_to_reference, tolerance
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from attnsdk._config import AttentionConfig
+    from attnsdk.selection.config import AttentionConfig
 
 __all__ = [
     "CHUNK_PRESETS",

@@ -15,7 +15,7 @@ import pytest
 from fake_fa3 import CPUFA3, fa3_rounding, fake_fa3
 from test_flashinfer_cpu import CPUFlashInfer, fake_flashinfer
 
-from attnsdk.backends import flashinfer as fi_module
+from attnsdk.backends.flashinfer import backend as fi_module
 from attnsdk.testing.conformance import BackendConformance
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnsdk.backends._gpu import DeviceFlag
+from attnsdk.kernels.store import DeviceFlag
 
 
 def _error(value: int, when: str) -> Exception:

@@ -10,9 +10,10 @@ import torch
 from pydantic import ValidationError
 
 import attnsdk as A
-import attnsdk._capabilities as caps_module
-from attnsdk.backends import _fa3_kernels, fa3
+import attnsdk.contract.capabilities as caps_module
 from attnsdk.backends.fa3 import FA3Backend, FA3Options
+from attnsdk.backends.fa3 import backend as fa3
+from attnsdk.backends.fa3 import kernels as _fa3_kernels
 from attnsdk.backends.reference import ReferenceBackend
 
 KERNEL_MODULES = ("flash_attn_interface", "flash_attn_3", "sgl_kernel", "vllm", "triton")
@@ -36,7 +37,7 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_importing_the_backend_imports_no_kernel_library() -> None:
     code = (
         "import sys, torch; before = set(sys.modules); "
-        "import attnsdk, attnsdk.backends.fa3, attnsdk.graphs; "
+        "import attnsdk, attnsdk.backends.fa3, attnsdk.backends.graphs; "
         "attnsdk.backends.fa3.FA3Backend.environment_reasons('cuda'); "
         f"print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in {KERNEL_MODULES!r}))"
     )
@@ -97,7 +98,7 @@ def test_missing_library_names_the_install_command(monkeypatch: pytest.MonkeyPat
 
 def test_module_present_imports_nothing() -> None:
     code = (
-        "import sys; from attnsdk.backends._fa3_kernels import module_present; "
+        "import sys; from attnsdk.backends.fa3.kernels import module_present; "
         "print(module_present('wsgiref.simple_server'), module_present('wsgiref.no_such_module'), "
         "module_present('no_such_package.x'), 'wsgiref' in sys.modules)"
     )

@@ -15,7 +15,7 @@ import torch
 from fake_fa3 import CPUFA3, FakeKernel, fake_fa3
 
 import attnsdk as A
-from attnsdk.backends import fa3
+from attnsdk.backends.fa3 import backend as fa3
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
 

@@ -23,8 +23,7 @@ import torch
 from pydantic import ValidationError
 
 import attnsdk as A
-import attnsdk._capabilities as caps_module
-from attnsdk.backends import flashinfer as fi_module
+import attnsdk.contract.capabilities as caps_module
 from attnsdk.backends.flashinfer import (
     FlashInferBackend,
     FlashInferOptions,
@@ -32,6 +31,7 @@ from attnsdk.backends.flashinfer import (
     build_csr,
     gather_indices,
 )
+from attnsdk.backends.flashinfer import backend as fi_module
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
 
@@ -765,7 +765,7 @@ def test_chunk_sizes_off_the_page_size_are_refused(fake: CPUFlashInfer) -> None:
 
 
 def test_graph_state_type_is_checked(fake: CPUFlashInfer) -> None:
-    from attnsdk._graph import GraphBuffers
+    from attnsdk.contract.plan import GraphBuffers
 
     with pytest.raises(A.InvalidInputError, match="state"):
         fake.plan_for_capture(GraphBuffers(2, 2, 2, page_size=16, device="cpu"), 2, 2)
@@ -888,7 +888,7 @@ def test_more_live_ragged_plans_than_the_pool_replan_correctly(
     fake: CPUFlashInfer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the pool's size a plan's wrapper is taken over; the plan re-plans, never misreads."""
-    import attnsdk.backends.flashinfer as fi
+    import attnsdk.backends.flashinfer.backend as fi
 
     monkeypatch.setattr(fi, "_RAGGED_POOL", 2)
     layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=192, v_head_dim=128, causal=False)

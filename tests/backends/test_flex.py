@@ -12,7 +12,8 @@ import torch
 from oracle import Semantics, visible
 
 import attnsdk as A
-from attnsdk.backends.flex import FlexBackend, FlexOptions, _build_mask
+from attnsdk.backends.flex import FlexBackend, FlexOptions
+from attnsdk.backends.flex.backend import _build_mask
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import Batch, BatchSpec, assert_close_to_reference, make_batch
 
@@ -272,7 +273,7 @@ def test_dynamo_limits_count_every_flex_compile_in_the_process(
     """Dynamo counts recompiles per code object, and every flex backend in a process compiles
     the same inner function: a new bucket's limit must follow the process's compiles, not the
     backend's own (a fresh backend after ~100 tests on an H200 hit the limit of 64)."""
-    from attnsdk.backends import flex as flex_module
+    from attnsdk.backends.flex import backend as flex_module
 
     monkeypatch.setattr(flex_module, "_COMPILES_IN_PROCESS", itertools.count(300))
     seen: list[tuple[int, int]] = []

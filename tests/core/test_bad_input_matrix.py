@@ -36,8 +36,8 @@ from attnsdk import (
     Plan,
     UnsupportedConfigError,
 )
-from attnsdk._debug import wrap_debug
 from attnsdk.backends.reference import ReferenceBackend, ReferenceOptions
+from attnsdk.selection.debug import wrap_debug
 from attnsdk.testing import BatchSpec, make_batch
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attnsdk as A
-from attnsdk._bench import (
+from attnsdk._bench.common import (
     LAYER,
     Case,
     Ceilings,
@@ -23,11 +23,11 @@ from attnsdk._bench import (
     format_table,
     rotation,
 )
-from attnsdk._bench_raw import _csr, write_kv
-from attnsdk._bench_suite import MAX_KV_BYTES, _finish, make_inputs
-from attnsdk._capabilities import GraphSupport
-from attnsdk._cli_bench import parse_names, select_backends
-from attnsdk._errors import UnsupportedConfigError
+from attnsdk._bench.raw import _csr, write_kv
+from attnsdk._bench.suite import MAX_KV_BYTES, _finish, make_inputs
+from attnsdk._cli.bench import parse_names, select_backends
+from attnsdk.contract.capabilities import GraphSupport
+from attnsdk.contract.errors import UnsupportedConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = Ceilings(copy_gbs=4250.0, matmul_tflops=790.0, matmul_dtype="bfloat16")
@@ -194,7 +194,7 @@ def test_names_and_backend_selection() -> None:
     assert (run, list(skipped)) == (["reference"], ["fa3"])
 
 
-ALLOWED = {"attnsdk", "attnsdk._bench", "attnsdk._cli", "attnsdk._cli_bench"}
+ALLOWED = {"attnsdk", "attnsdk._bench.common", "attnsdk._cli.main", "attnsdk._cli.bench"}
 """What benchmarks/ may import from attnsdk: the public API, public backend modules, and the
 bench machinery it wraps (which lives in the package so that ``attnsdk bench`` works from a
 wheel)."""
@@ -239,7 +239,7 @@ def test_write_results_writes_json_and_plot(tmp_path: Path) -> None:
     and the plot drawn beside it from the same rows."""
     import json
 
-    from attnsdk._bench import write_results
+    from attnsdk._bench.common import write_results
 
     drawn: list[Path] = []
     rows = [{"us": 1.5, "ratio": float("nan")}]

@@ -1,4 +1,4 @@
-"""The virtual batch of chunked local attention (``attnsdk._chunked``), proved on the CPU.
+"""The virtual batch of chunked local attention (``attnsdk.features.chunked``), proved on the CPU.
 
 fa3 and flashinfer run their kernels over ``virtual_metadata(meta, C, P)`` with the chunk rule
 left out. That is right exactly when the reference backend, run the same way, equals the
@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnsdk as A
-from attnsdk._chunked import check_capture, chunk_reasons, prepared_chunks, virtual_metadata
 from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.features.chunked import check_capture, chunk_reasons, prepared_chunks, virtual_metadata
 from attnsdk.testing import Batch, BatchSpec, make_batch
 from attnsdk.testing.strategies import batch_specs, page_orders
 

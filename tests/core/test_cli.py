@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import attnsdk as A
-from attnsdk._cli import build_parser, main
+from attnsdk._cli.main import build_parser, main
 from attnsdk.backends.reference import ReferenceBackend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -479,9 +479,9 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path on every machine
 @pytest.fixture
 def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process bench runs take the CPU path, GPU or not."""
-    import attnsdk._cli_bench
+    import attnsdk._cli.bench
 
-    monkeypatch.setattr(attnsdk._cli_bench, "cuda_available", lambda: False)
+    monkeypatch.setattr(attnsdk._cli.bench, "cuda_available", lambda: False)
 
 
 def test_bench_quick_json_on_a_cpu() -> None:
@@ -535,7 +535,7 @@ def test_bench_table_and_out_dir(cli: Any, cpu_only: None, tmp_path: Path) -> No
 def test_bench_backend_lists(cli: Any, cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """--backend is repeatable and takes comma lists; a backend that cannot run is skipped
     with its reasons, and nothing left to run is exit status 1."""
-    import attnsdk._cli_bench as bench
+    import attnsdk._cli.bench as bench
 
     seen: list[list[str]] = []
     real = bench.select_backends

@@ -10,8 +10,8 @@ import pydantic
 import pytest
 
 import attnsdk as A
-from attnsdk._config import config_in_effect
 from attnsdk.backends.reference import ReferenceOptions
+from attnsdk.selection.config import config_in_effect
 
 if TYPE_CHECKING:
     from pathlib import Path

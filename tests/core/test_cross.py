@@ -1,4 +1,4 @@
-"""Cross-attention (``AttentionMetadata.cross_attention``, ``attnsdk._cross``): the checks, who
+"""Cross-attention (``AttentionMetadata.cross_attention``, ``attnsdk.features.cross``): the checks, who
 refuses what, and the backends that serve it against the float64 oracle and a dense softmax."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Debug mode (``ATTNSDK_DEBUG=1``, attnsdk/_debug.py) accepts what every backend serves exactly,
+"""Debug mode (``ATTNSDK_DEBUG=1``, attnsdk/selection/debug.py) accepts what every backend serves exactly,
 and serves it like the reference backend: sinks of -inf, and a self-attention step that writes
 nothing over page 0 (vLLM's encoder-only attention). What it refuses is in the bad-input matrix
 (tests/core/test_bad_input_matrix.py: sinks NaN / +inf, a writing step on the reserved page)."""
@@ -13,8 +13,8 @@ import torch
 
 import attnsdk as A
 from attnsdk import AttentionMetadata, InvalidMetadataError, KVCacheLayout, LayerSpec
-from attnsdk._debug import wrap_debug
 from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.selection.debug import wrap_debug
 from attnsdk.testing import BatchSpec, make_batch
 
 REF = ReferenceBackend()
@@ -57,7 +57,7 @@ def test_minus_inf_sinks_are_served_exactly_ragged() -> None:
 
 
 def encoder_only_step(query_lens: list[int]) -> tuple[AttentionMetadata, A.KVCache, torch.Tensor]:
-    """vLLM's encoder-only attention as the drop-in runs it (adapters/vllm/_impl.py,
+    """vLLM's encoder-only attention as the drop-in runs it (attnsdk/adapters/vllm/_impl.py,
     ``_encoder``): the step's own k / v as a page-size-1 cache, token t on page t (so the first
     sequence starts on page 0), sequence b's page table row ``query_start_loc[b] + arange``,
     nothing written."""

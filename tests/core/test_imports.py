@@ -39,8 +39,8 @@ SCRIPT = textwrap.dedent(
     loaded = lambda: sorted(m for m in heavy if m in sys.modules)
     import torch  # noqa: F401
     baseline = set(loaded())
-    import attnsdk._registry
-    plugins_loaded = attnsdk._registry._PLUGINS_LOADED  # entry points wait for first use
+    import attnsdk.selection.registry
+    plugins_loaded = attnsdk.selection.registry._PLUGINS_LOADED  # entry points wait for first use
     report = {}
     for name in modules:
         importlib.import_module(name)

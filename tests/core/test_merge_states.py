@@ -159,7 +159,7 @@ def test_bad_inputs_name_the_argument() -> None:
 
 
 def test_cuda_without_triton_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    from attnsdk.backends import _merge_triton
+    from attnsdk.kernels import merge_triton as _merge_triton
 
     monkeypatch.setattr(_merge_triton, "triton", None)
     x, lse = torch.zeros(1, 1, 4), torch.zeros(1, 1)

@@ -393,8 +393,8 @@ def test_debug_mode_validates_a_chunked_layer_with_its_chunk_size() -> None:
     """Debug mode validates each forward with the layer's chunk size: a chunked decode whose
     past chunk's pages an engine freed (null block 0) is served; a global layer reading the same
     table is refused."""
-    from attnsdk._debug import wrap_debug
     from attnsdk.backends.reference import ReferenceBackend
+    from attnsdk.selection.debug import wrap_debug
 
     debug = wrap_debug(ReferenceBackend())
     cache = KVCacheLayout(2, 16, PAGE, dtype=torch.float32).allocate(8)

@@ -12,9 +12,9 @@ from oracle import run_oracle
 
 import attnsdk as A
 from attnsdk import Feature, InvalidInputError, UnsupportedConfigError
-from attnsdk._capabilities import capability_reasons
 from attnsdk.backends.fa3 import FA3Backend
 from attnsdk.backends.flashinfer import FlashInferBackend
+from attnsdk.contract.capabilities import capability_reasons
 from attnsdk.testing import BatchSpec, make_batch
 
 RANK, ROPE = 32, 16

@@ -1,10 +1,9 @@
 """Packaging: what pyproject.toml declares, the layout behind it, and what pip builds from it.
 
-The layout (DEVELOPERS.md, "Package layout"): ``src/attnsdk`` links to ``attnsdk/`` and
-``attnsdk/adapters`` to the top-level ``adapters/``. With ``src/`` as the package root the
-editable install is one plain path in a ``.pth`` file, which type checkers follow (setuptools'
-import-hook finder, used for any other mapping, they cannot), and no top-level ``adapters``
-package becomes importable. The wheel must hold the files behind the links.
+The layout (DEVELOPERS.md, "Package layout"): one package, ``attnsdk/``, its adapters in
+``attnsdk/adapters/``, no links. The package root is named in pyproject.toml (``"" = "."``),
+so the editable install is one plain path in a ``.pth`` file, which type checkers follow
+(setuptools' import-hook finder, used for a flat layout otherwise, they cannot).
 """
 
 from __future__ import annotations
@@ -27,13 +26,13 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
-SOURCES = ["pyproject.toml", "README.md", "LICENSE", "src", "attnsdk", "adapters"]
-"""What a build reads; copied (links kept as links) so a build writes nothing into the tree."""
+SOURCES = ["pyproject.toml", "README.md", "LICENSE", "attnsdk"]
+"""What a build reads; copied so a build writes nothing into the tree."""
 PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
 
 
 def _python_files() -> list[Path]:
-    return [p for d in ("attnsdk", "adapters") for p in (ROOT / d).rglob("*.py")]
+    return list((ROOT / "attnsdk").rglob("*.py"))
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -90,23 +89,18 @@ def test_error_hints_install_what_exists_on_the_package_index() -> None:
     assert offenders == []
 
 
-def test_layout_links_and_package_list() -> None:
-    assert (ROOT / "src" / "attnsdk").is_symlink()
-    assert (ROOT / "src" / "attnsdk").resolve() == (ROOT / "attnsdk").resolve()
-    assert (ROOT / "attnsdk" / "adapters").is_symlink()
-    assert (ROOT / "attnsdk" / "adapters").resolve() == (ROOT / "adapters").resolve()
-    assert sorted(p.name for p in (ROOT / "src").iterdir() if not p.name.endswith(".egg-info")) == [
-        "attnsdk"
-    ]
+def test_layout_has_no_links_and_one_package_root() -> None:
+    tracked = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    links = [line.split("\t")[1] for line in tracked if line.startswith("120000")]
+    assert links == [], "tracked symlinks hide files from grep and import-graph tools"
+    assert not (ROOT / "src").exists()
+    assert not (ROOT / "adapters").exists()
+    assert (ROOT / "attnsdk" / "adapters" / "__init__.py").is_file()
     setuptools = PYPROJECT["tool"]["setuptools"]
-    assert setuptools["package-dir"] == {"": "src"}
-    # Every package directory is listed, so none is left out of the wheel.
-    on_disk = {
-        ".".join((prefix, *init.parent.relative_to(root).parts))
-        for root, prefix in ((ROOT / "attnsdk", "attnsdk"), (ROOT / "adapters", "attnsdk.adapters"))
-        for init in root.rglob("__init__.py")  # does not follow the attnsdk/adapters link
-    }
-    assert set(setuptools["packages"]) == on_disk
+    assert setuptools["package-dir"] == {"": "."}
+    assert setuptools["packages"]["find"]["include"] == ["attnsdk", "attnsdk.*"]
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +111,7 @@ def source_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         src = ROOT / name
         if src.is_dir():
             shutil.copytree(
-                src,
-                dest / name,
-                symlinks=True,
-                ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"),
+                src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
             )
         else:
             shutil.copy2(src, dest / name)
@@ -138,12 +129,8 @@ def test_wheel_holds_the_adapters_files_and_the_license(source_copy: Path, tmp_p
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    expected = {
-        p.relative_to(ROOT / "adapters").as_posix() for p in (ROOT / "adapters").rglob("*.py")
-    }
-    assert {
-        n.removeprefix("attnsdk/adapters/") for n in names if n.startswith("attnsdk/adapters/")
-    } == expected
+    expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "attnsdk").rglob("*.py")}
+    assert {n for n in names if n.endswith(".py")} == expected  # every subpackage, nothing else
     assert "attnsdk/py.typed" in names
     assert not any(n.startswith(("adapters/", "src/", "tests/")) for n in names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
@@ -152,7 +139,7 @@ def test_wheel_holds_the_adapters_files_and_the_license(source_copy: Path, tmp_p
     assert "Provides-Extra: testing" in metadata
 
 
-def test_editable_install_is_one_plain_path_holding_only_attnsdk(
+def test_editable_install_is_one_plain_path_to_the_checkout(
     source_copy: Path, tmp_path: Path
 ) -> None:
     """A path entry, not an import hook: what mypy and pyright follow."""
@@ -174,7 +161,7 @@ def test_editable_install_is_one_plain_path_holding_only_attnsdk(
         (pth,) = installed
         assert pth.endswith(".pth")
         lines = zf.read(pth).decode().split()
-    assert lines == [str((source_copy / "src").resolve())]
-    # (a wheel build leaves attnsdk.egg-info there: metadata, nothing importable)
-    importable = [p.name for p in Path(lines[0]).iterdir() if not p.name.endswith(".egg-info")]
-    assert importable == ["attnsdk"]
+    assert lines == [str(source_copy.resolve())]
+    # What the path holds: the package itself (and its metadata), nothing else importable.
+    packages = sorted(p.parent.name for p in Path(lines[0]).glob("*/__init__.py"))
+    assert packages == ["attnsdk"]

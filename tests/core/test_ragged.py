@@ -1,4 +1,4 @@
-"""Ragged attention (``Backend.forward_ragged``, ``attnsdk._ragged``): the metadata, the checks,
+"""Ragged attention (``Backend.forward_ragged``, ``attnsdk.features.ragged``): the metadata, the checks,
 who refuses what, and the reference against the float64 oracle on random batches."""
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def test_out_is_written_and_returned() -> None:
 def test_debug_mode_validates_ragged_calls() -> None:
     """Debug mode checks a ragged call as it checks a paged one: ``key_start_loc`` against
     ``seq_lens`` (which the kernels trust), NaN inputs, and a NaN output."""
-    from attnsdk._debug import wrap_debug
+    from attnsdk.selection.debug import wrap_debug
 
     debug = wrap_debug(ReferenceBackend())
     meta = A.AttentionMetadata.for_ragged([2, 5], [2, 5])
@@ -293,7 +293,7 @@ def test_debug_mode_validates_ragged_calls() -> None:
 
 
 def test_debug_mode_refuses_ragged_on_a_backend_without_it() -> None:
-    from attnsdk._debug import DebugBackend
+    from attnsdk.selection.debug import DebugBackend
 
     class Paged:
         name = "paged-only"
@@ -311,7 +311,7 @@ def test_host_facts_are_read_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> N
     """Every layer of a step shares its plan's host facts (key rows, key starts, keyless rows):
     read on the first call only, also with plans used in turn (SGLang's chunks); a new
     metadata is read anew, and its keyless rows are its own."""
-    import attnsdk._base as base
+    import attnsdk.backends.base as base
 
     calls: list[A.AttentionMetadata] = []
     real = base.ragged_step

@@ -13,9 +13,10 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 import attnsdk as A
-from attnsdk import _create, _registry
-from attnsdk._capabilities import capability_reasons
 from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.contract.capabilities import capability_reasons
+from attnsdk.selection import create as _create
+from attnsdk.selection import registry as _registry
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -9,7 +9,7 @@ import torch
 
 import attnsdk as A
 from attnsdk.backends.reference import ReferenceBackend
-from attnsdk.backends.routed import RoutedBackend, RoutedOptions, RoutedPlan, step_kind
+from attnsdk.selection.routed import RoutedBackend, RoutedOptions, RoutedPlan, step_kind
 from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
 
 if TYPE_CHECKING:

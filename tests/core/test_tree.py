@@ -1,4 +1,4 @@
-"""Tree verify (``AttentionMetadata.tree_mask``, ``attnsdk._tree``): the mask's checks, who
+"""Tree verify (``AttentionMetadata.tree_mask``, ``attnsdk.features.tree``): the mask's checks, who
 refuses what, and the backends that serve it against the float64 oracle on random trees."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_fa3_refuses_a_tree_on_a_cache_without_token_rows(monkeypatch: pytest.Mo
 def test_tree_passes_say_on_the_host_whether_a_sequence_has_no_context() -> None:
     """The two-pass split (fa3) masks the context pass's lse only when some sequence has no
     context: the host twins tell, and the device mask marks exactly its rows."""
-    from attnsdk._tree import tree_passes
+    from attnsdk.features.tree import tree_passes
 
     mask = tree_mask_from_parents([[-1, 0, 0], [-1, 0]])
     with_context = tree_passes(_meta(mask), 16)

@@ -1,4 +1,4 @@
-"""``BackendBase.warmup`` (attnsdk/_warmup.py): its two scratch steps run at every page size and
+"""``BackendBase.warmup`` (attnsdk/backends/warmup.py): its two scratch steps run at every page size and
 pool size; bad arguments are refused up front (tests/core/test_bad_input_matrix.py, "warmup/")."""
 
 from __future__ import annotations

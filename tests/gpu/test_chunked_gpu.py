@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import attnsdk as A
-from attnsdk._chunked import virtual_metadata
 from attnsdk.backends.reference import ReferenceBackend
+from attnsdk.features.chunked import virtual_metadata
 from attnsdk.testing import BatchSpec, assert_close_to_reference, forbid_device_sync, make_batch
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnsdk as A
-from attnsdk.backends._fa3_kernels import build_flags
+from attnsdk.backends.fa3.kernels import build_flags
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import (
     Batch,

@@ -165,7 +165,7 @@ def test_graph_replay_equals_eager(tokens_per_seq: int) -> None:
     "page", [5, 400, -3], ids=["page-at-two-indices", "page-past-the-pool", "negative-page"]
 )
 def test_a_page_read_wrongly_is_reported_by_a_later_plan(page: int) -> None:
-    from attnsdk.backends._gpu import DeviceFlag
+    from attnsdk.kernels.store import DeviceFlag
 
     backend = FlexBackend()
     layer, layout = _layer_layout(torch.bfloat16, 16)

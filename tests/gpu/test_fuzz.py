@@ -188,7 +188,7 @@ def test_a_slot_past_the_cache_is_never_written_and_is_reported() -> None:
 
 
 def _reported_by_a_later_plan(fa3: A.Backend, meta: A.AttentionMetadata) -> A.InvalidMetadataError:
-    from attnsdk.backends._gpu import DeviceFlag
+    from attnsdk.kernels.store import DeviceFlag
 
     for _ in range(2 * DeviceFlag.POLL_EVERY + 1):
         try:

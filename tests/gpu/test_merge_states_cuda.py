@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnsdk as A
-from attnsdk._merge import merge_states_torch
+from attnsdk.kernels.merge import merge_states_torch
 from attnsdk.testing import forbid_device_sync
 
 pytestmark = [pytest.mark.gpu]

@@ -1,0 +1,1 @@
+"""The ``attnsdk`` command: ``main`` in ``main.py``, one module per subcommand."""

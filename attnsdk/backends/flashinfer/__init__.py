@@ -1,0 +1,19 @@
+"""``flashinfer``: FlashInfer paged attention (``backend``) over CSR pages (``csr``)."""
+
+from attnsdk.backends.flashinfer.backend import (
+    INSTALL_COMMAND,
+    FlashInferBackend,
+    FlashInferOptions,
+    FlashInferPlan,
+)
+from attnsdk.backends.flashinfer.csr import PagedCSR, build_csr, gather_indices
+
+__all__ = [
+    "INSTALL_COMMAND",
+    "FlashInferBackend",
+    "FlashInferOptions",
+    "FlashInferPlan",
+    "PagedCSR",
+    "build_csr",
+    "gather_indices",
+]

@@ -1,0 +1,254 @@
+"""Debug mode: every plan and forward fully validated, every output checked for NaN.
+
+Turn it on with ``ATTNSDK_DEBUG=1`` or ``AttentionConfig(debug=True)``; ``create_backend`` then
+returns the backend wrapped in ``DebugBackend``. It syncs the device on every layer, so it is
+for finding a misbehaving integration, not for serving. Inside CUDA-graph capture nothing can
+sync: captured forwards run unchecked and each replay's metadata is validated instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attnsdk.contract.backend import check_forward_args
+from attnsdk.contract.debug import ENV_DEBUG, env_debug
+from attnsdk.contract.errors import (
+    AttnSDKError,
+    InvalidInputError,
+    Reason,
+    ReasonKind,
+    UnsupportedConfigError,
+)
+from attnsdk.contract.metadata import check_is_metadata, validate_metadata
+from attnsdk.features.ragged import check_ragged_args
+
+if TYPE_CHECKING:
+    from attnsdk.contract.backend import Backend
+    from attnsdk.contract.kv import KVCache, KVCacheLayout
+    from attnsdk.contract.layer import LayerSpec
+    from attnsdk.contract.metadata import AttentionMetadata
+    from attnsdk.contract.plan import GraphBuffers, Plan
+    from attnsdk.selection.config import AttentionConfig
+
+__all__ = ["ENV_DEBUG", "DebugBackend", "debug_enabled", "wrap_debug"]
+
+
+def debug_enabled(config: AttentionConfig | None = None) -> bool:
+    """``config.debug``, or the environment's ``ATTNSDK_DEBUG`` (``contract.debug``)."""
+    return bool(config is not None and config.debug) or env_debug()
+
+
+def wrap_debug(backend: Backend) -> Backend:
+    return backend if isinstance(backend, DebugBackend) else DebugBackend(backend)
+
+
+class DebugBackend:
+    """A backend with every check on. Other attributes are the wrapped backend's.
+
+    Before each forward: the argument checks, ``AttentionMetadata.validate(cache)`` (once per
+    plan and cache size; the reserved page 0 unless a self-attention step writes nothing, see
+    docs/kv_layout.md, "Pages and slots"), finite q / k / v, sinks finite or -inf (a sink of
+    -inf adds nothing), and positive finite fp8 scales. After it: any error the device side
+    recorded (e.g. a slot past the cache, reported at once), a finite output for every real
+    token row and, when ``lse=`` is given, no NaN or +inf in its real rows.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.inner = backend
+        self.name = backend.name
+        self.capabilities = backend.capabilities
+        self._validated: tuple[Plan, int, int | None, int | None] | None = None
+        """(plan, cache pages, window, chunk) of the last validation: the plan itself, not its
+        id, which a new plan may reuse once the old one is freed."""
+        self._validated_ragged: Plan | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"DebugBackend({self.inner!r})"
+
+    def unsupported_reasons(
+        self,
+        layer: LayerSpec | None = None,
+        layout: KVCacheLayout | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Reason]:
+        return self.inner.unsupported_reasons(layer, layout, device)
+
+    def plan(self, meta: AttentionMetadata) -> Plan:
+        check_is_metadata("meta", meta)
+        if meta.page_size is not None and not _capturing():
+            # Without a layer the window is unknown: the reserved page is checked per forward.
+            validate_metadata(meta, meta.page_size, reserved_page=None)
+        return self.inner.plan(meta)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache: KVCache,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        kwargs = {"sinks": sinks, "k_scale": k_scale, "v_scale": v_scale, "out": out}
+        # lse= only when asked for: a protocol backend written before it still runs.
+        extra = {} if lse is None else {"lse": lse}
+        if _capturing():
+            return self.inner.forward(q, k, v, cache, plan, layer, **kwargs, **extra)
+        check_forward_args(q, k, v, cache, plan, layer, lse=lse, **kwargs)
+        meta = plan.metadata
+        last = self._validated
+        seen = (cache.num_pages, layer.sliding_window, layer.attention_chunk_size)
+        if last is None or last[0] is not plan or last[1:] != seen:
+            validate_metadata(
+                meta,
+                cache,
+                reserved_page=_reserved_page_to_check(meta),
+                sliding_window=layer.sliding_window,
+                attention_chunk_size=layer.attention_chunk_size,
+            )
+            self._validated = (plan, *seen)
+        rows = int(meta.query_start_loc_cpu[-1])
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t is not None:
+                _finite(name, t[:rows], InvalidInputError)
+        if sinks is not None:
+            _finite_sinks(sinks)
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None and not bool((torch.isfinite(scale) & (scale > 0)).all()):
+                raise InvalidInputError(name, "finite values > 0", scale.flatten().tolist())
+        result = self.inner.forward(q, k, v, cache, plan, layer, **kwargs, **extra)
+        return self._checked(result, lse, rows, cache.device)
+
+    def forward_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward``'s checks for a ragged call: the arguments, ``validate(None)`` once per
+        plan (which reads ``key_start_loc`` against ``seq_lens``), finite q and key rows of
+        k / v; after it, a finite output and lse."""
+        inner = getattr(self.inner, "forward_ragged", None)
+        if inner is None:
+            raise UnsupportedConfigError(
+                f"the {self.name} backend cannot run this layer ragged:",
+                [Reason(ReasonKind.CONFIGURATION, "ragged", "it has no forward_ragged")],
+            )
+        kwargs = {"sinks": sinks, "out": out, "lse": lse}
+        if _capturing():
+            return inner(q, k, v, plan, layer, **kwargs)
+        check_ragged_args(q, k, v, plan, layer, sinks=sinks, out=out, lse=lse)
+        meta = plan.metadata
+        if self._validated_ragged is not plan:
+            validate_metadata(meta, None)
+            self._validated_ragged = plan
+        rows, keys = meta.num_tokens, int(meta.seq_lens_cpu.sum())
+        for name, t in (("q", q[:rows]), ("k", k[:keys]), ("v", v[:keys])):
+            _finite(name, t, InvalidInputError)
+        if sinks is not None:
+            _finite_sinks(sinks)
+        return self._checked(inner(q, k, v, plan, layer, **kwargs), lse, rows, q.device)
+
+    def _checked(
+        self, result: torch.Tensor, lse: torch.Tensor | None, rows: int, device: torch.device
+    ) -> torch.Tensor:
+        """``result`` after a forward: any error the device recorded, then a finite output and
+        lse in the ``rows`` real token rows."""
+        sync_check = getattr(self.inner, "sync_check", None)
+        if sync_check is not None:
+            sync_check(device)
+        _finite("output", result[:rows], None, backend=self.name)
+        if lse is not None:
+            # -inf is a valid log-sum-exp (a row that sees no key and no sink); NaN never is.
+            real = lse[:rows]
+            _finite("lse", real.masked_fill(real == float("-inf"), 0.0), None, backend=self.name)
+        return result
+
+    def graph_state(
+        self,
+        max_batch: int,
+        max_tokens: int,
+        max_pages: int,
+        *,
+        page_size: int,
+        device: torch.device | str,
+    ) -> GraphBuffers:
+        return self.inner.graph_state(
+            max_batch, max_tokens, max_pages, page_size=page_size, device=device
+        )
+
+    def plan_for_capture(
+        self,
+        state: GraphBuffers,
+        batch_size: int,
+        num_tokens: int,
+        *,
+        max_query_len: int | None = None,
+    ) -> Plan:
+        return self.inner.plan_for_capture(
+            state, batch_size, num_tokens, max_query_len=max_query_len
+        )
+
+    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
+        self.inner.plan_for_replay(plan, meta)
+        if plan.graph is not None:
+            validate_metadata(plan.metadata, plan.graph.page_size, reserved_page=None)
+
+
+def _reserved_page_to_check(meta: AttentionMetadata) -> int | None:
+    """Page 0, except in a self-attention step that writes nothing (then None: unchecked).
+
+    Such a step's keys are not in pages an engine allocated: vLLM's encoder-only attention
+    views the step's own k/v as a page-size-1 cache (token t on page t, page 0 being token 0)
+    and writes nothing, and every backend serves it exactly. Every step that writes K/V (any
+    decoder step) and every cross-attention step reads pages an engine allocated, where page 0
+    is its padding page or null block: those are checked, so a layer reading vLLM's null block
+    in place of its own keys is still caught. ``validate()`` called directly is strict.
+    """
+    if meta.cross_attention:
+        return 0
+    writes = bool((meta.slot_mapping[: meta.num_tokens] >= 0).any())
+    return 0 if writes else None
+
+
+def _finite_sinks(sinks: torch.Tensor) -> None:
+    """No NaN or +inf sink; -inf is a valid sink (exp(-inf) = 0: it adds nothing to the
+    softmax denominator, which every backend serves exactly)."""
+    _finite("sinks", sinks.masked_fill(sinks == float("-inf"), 0.0), InvalidInputError)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _finite(
+    name: str, t: torch.Tensor, error: type[InvalidInputError] | None, backend: str = ""
+) -> None:
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return
+    where = tuple(int(i) for i in torch.nonzero(bad)[0])
+    value = float(t[where])
+    if error is not None:
+        raise error(name, "finite values", f"{value} at {where}")
+    raise AttnSDKError(
+        f"debug mode: backend {backend!r} produced {value} at {name}{list(where)} from finite "
+        "inputs and valid metadata; please report it with the batch"
+    )
