@@ -6,7 +6,7 @@ Read docs/architecture.md for how the pieces fit. The public API is exactly ``__
 from attnsdk.backends.base import BackendBase, GraphHooks
 from attnsdk.backends.graphs import GraphRunner
 from attnsdk.contract.backend import Backend, BackendClass, NoOptions
-from attnsdk.contract.capabilities import Capabilities, Feature, GraphSupport
+from attnsdk.contract.capabilities import Capabilities, Feature, GraphSupport, Request
 from attnsdk.contract.errors import (
     AttnSDKError,
     BackendUnavailableError,
@@ -54,6 +54,7 @@ __all__ = [
     "Reason",
     "ReasonKind",
     "Registration",
+    "Request",
     "UnsupportedConfigError",
     "backend_names",
     "create_backend",

@@ -23,6 +23,7 @@ import torch
 
 import attnsdk as A
 from attnsdk._bench.common import DTYPE, LAYER, PAGE, Column, format_table, graph_us, host_us
+from attnsdk.backends.base import AttendArgs
 from attnsdk.backends.fa3 import FA3Options
 
 COLUMNS = [
@@ -91,7 +92,7 @@ def main() -> None:
         pre.store(k, v, cache, plan, state, k_scale=None, v_scale=None)
 
     def hook_attend() -> None:
-        pre.attend(q, cache, plan, LAYER, state, sinks=None, k_scale=None, v_scale=None, out=out)
+        pre.attend(AttendArgs(q, cache, plan, LAYER, state, out))
 
     def t(fn: object, calls: int = 2000) -> float:
         return host_us(fn, "cuda", calls=calls, repeats=5)  # type: ignore[arg-type]

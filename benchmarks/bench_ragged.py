@@ -97,7 +97,7 @@ def run_case(name: str, heads: int, b: int, n: int, kind: str, tflops: float) ->
     )
     row: dict[str, Any] = {"backend": name, "heads": heads, "seqs": b, "tokens": n, "kind": kind}
     backend = A.create_backend(name, device="cuda")
-    reasons = backend.ragged_reasons(layer, "cuda")  # type: ignore[attr-defined]
+    reasons = backend.unsupported_reasons(layer, None, "cuda", uses=(A.Feature.RAGGED,))
     if reasons:
         row["refused"] = "; ".join(map(str, reasons))
         return row

@@ -48,7 +48,10 @@ nitpick_ignore_regex = [
         r"(os|collections|random|typing|enum|torch|pydantic|annotated_types|hypothesis|_pytest|pytest)\..*",
     ),
     ("py:.*", r"BaseModel|SerializeAsAny|Factory|ForwardBatch|ModelRunner|RadixAttention"),
-    ("py:.*", r"attnsdk\..*\._\w+"),
+    ("py:.*", r"attnsdk\..*\._\w+(\.\w+)*"),
+    # autodoc renders a dataclass field's default_factory signature of a subscripted type
+    # (MockCompilationConfig's ``dict[str, Any]``) as the fragment "'dict[str".
+    ("py:class", r"'dict\[str"),
 ]
 
 

@@ -11,9 +11,9 @@ CUDA-graph hooks (``GraphHooks``).
         name = "mine"
         capabilities = Capabilities(devices=frozenset({"cuda"}), ...)
 
-        def attend(self, q, cache, plan, layer, state, *, sinks, k_scale, v_scale, out, lse):
-            ...  # new K/V are already in ``cache``; write (T, Hq, Dv) into ``out``
-                 # and, when ``lse`` is a tensor, each row's log-sum-exp (T, Hq) into it
+        def attend(self, call):
+            ...  # new K/V are already in ``call.cache``; write (T, Hq, Dv) into ``call.out``
+                 # and, when ``call.lse`` is a tensor, each row's log-sum-exp (T, Hq) into it
 
 docs/adding_a_backend.md walks through one; ``attnsdk.testing.conformance`` is the test suite
 every backend runs.
@@ -21,6 +21,7 @@ every backend runs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -29,12 +30,12 @@ from attnsdk.backends.warmup import check_warmup_args, warm_up
 from attnsdk.contract.backend import NoOptions, check_forward_args, check_plan
 from attnsdk.contract.capabilities import (
     Capabilities,
+    Feature,
+    Request,
     capability_reasons,
-    default_device,
     device_reasons,
-    lse_capability_reasons,
-    paged_cross_reasons,
-    step_capability_reasons,
+    missing_features,
+    step_uses,
 )
 from attnsdk.contract.checks import check_device
 from attnsdk.contract.errors import InvalidInputError, Reason, ReasonKind, UnsupportedConfigError
@@ -42,30 +43,89 @@ from attnsdk.contract.kv import KVCacheLayout, mla_value
 from attnsdk.contract.layer import LayerSpec
 from attnsdk.contract.metadata import check_is_metadata, check_metadata
 from attnsdk.contract.plan import GraphBuffers, Plan
-from attnsdk.features.cross import cross_reasons
-from attnsdk.features.ragged import (
-    RaggedStep,
-    check_ragged_args,
-    clear_keyless_rows,
-    ragged_capability_reasons,
-    ragged_step,
-)
-from attnsdk.features.tree import tree_reasons
+from attnsdk.features import cross as features_cross
+from attnsdk.features import ragged as features_ragged
+from attnsdk.features import tree as features_tree
+from attnsdk.features.ragged import RaggedStep, check_ragged_args, clear_keyless_rows, ragged_step
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from pydantic import BaseModel
 
-    from attnsdk.contract.backend import Backend
     from attnsdk.contract.kv import KVCache
     from attnsdk.contract.metadata import AttentionMetadata
 
-__all__ = ["BackendBase", "GraphHooks", "lse_reasons_of"]
+__all__ = ["AttendArgs", "BackendBase", "GraphHooks", "RaggedArgs"]
+
+_UNSET: Any = object()
+_ASKED = {
+    Feature.LSE: " with the log-sum-exp (lse=)",
+    Feature.RAGGED: " ragged (forward_ragged)",
+    Feature.TREE_MASK: " in a tree verify step (a step with a tree_mask)",
+    Feature.CROSS_ATTENTION: " in a cross-attention step",
+}
+"""How a refusal's message says what the call asked for."""
 
 _RAGGED_STEPS = 8
 """Ragged plans whose ``RaggedStep`` a backend keeps: SGLang's chunked prefix uses one per
 prefix chunk in turn, every layer."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttendArgs:
+    """One layer's ``attend`` call, every argument checked by ``forward`` (shapes: the Shape
+    legend of ``Backend.forward``): the new K/V are already in ``cache``."""
+
+    q: torch.Tensor
+    """(T, Hq, D)."""
+    cache: KVCache
+    plan: Plan
+    layer: LayerSpec
+    state: Any
+    """``layer_state(layer, cache.layout)``."""
+    out: torch.Tensor
+    """(T, Hq, Dv): the hook writes the output here and returns it."""
+    sinks: torch.Tensor | None = None
+    """(Hq,) fp32 when ``layer.has_sinks``."""
+    k_scale: torch.Tensor | None = None
+    """fp8 caches: () / (1,) / (Hkv,) fp32; for an MLA layer it scales the latent (V) too."""
+    v_scale: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    """(T, Hq) fp32 contiguous, for each row's natural-log log-sum-exp; only when
+    ``refusals`` allowed ``Feature.LSE``."""
+
+    def unpacked(
+        self,
+    ) -> tuple[
+        torch.Tensor | None,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        torch.Tensor,
+        torch.Tensor | None,
+    ]:
+        """``(sinks, k_scale, v_scale, out, lse)``, for a hook that names them locally."""
+        return self.sinks, self.k_scale, self.v_scale, self.out, self.lse
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedArgs:
+    """One layer's ``attend_ragged`` call, every argument checked by ``forward_ragged``."""
+
+    q: torch.Tensor
+    """(T, Hq, D)."""
+    k: torch.Tensor
+    """(Tk, Hkv, D): sequence b's keys at rows ``key_start_loc[b]:key_start_loc[b+1]``."""
+    v: torch.Tensor
+    """(Tk, Hkv, Dv)."""
+    plan: Plan
+    layer: LayerSpec
+    key_start_loc: torch.Tensor
+    """(B + 1,) int32, on the device."""
+    out: torch.Tensor
+    """(T, Hq, Dv): the hook writes the output here and returns it."""
+    sinks: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
 
 
 class GraphHooks:
@@ -76,6 +136,8 @@ class GraphHooks:
     """
 
     plan_type: ClassVar[type[Plan]] = Plan
+    buffers_type: ClassVar[type[GraphBuffers]] = GraphBuffers
+    """The static buffers ``graph_state`` allocates (a subclass for backends with more)."""
 
     def graph_state(
         self,
@@ -86,7 +148,9 @@ class GraphHooks:
         page_size: int,
         device: torch.device | str,
     ) -> GraphBuffers:
-        return GraphBuffers(max_batch, max_tokens, max_pages, page_size=page_size, device=device)
+        return self.buffers_type(
+            max_batch, max_tokens, max_pages, page_size=page_size, device=device
+        )
 
     def plan_for_capture(
         self,
@@ -97,6 +161,12 @@ class GraphHooks:
         max_query_len: int | None = None,
     ) -> Plan:
         meta = state.capture_metadata(batch_size, num_tokens, max_query_len=max_query_len)
+        return self.capture_plan(meta, state)
+
+    def capture_plan(self, meta: AttentionMetadata, state: GraphBuffers) -> Plan:
+        """Hook: the plan a capture of ``meta`` (basic-slice views of ``state``, upper-bound
+        host maxima) runs with; the backend's checks of such a capture go here too. Default:
+        ``plan_type(meta, graph=state)``."""
         return self.plan_type(meta, graph=state)
 
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
@@ -140,9 +210,10 @@ class BackendBase(GraphHooks):
             )
         self.options = options if options is not None else self.Options()
         self._layer_states: dict[tuple[LayerSpec, KVCacheLayout], Any] = {}
-        self._ragged_served: set[tuple[LayerSpec, torch.dtype, torch.device, bool, bool]] = set()
-        """(layer, dtype, device, lse asked, cross-attention) that every ragged check passed:
-        asked once, not per call (FlashInfer's check looks up its package, ~tens of µs)."""
+        self._served: set[tuple[object, ...]] = set()
+        """Kinds of call (layer, layout or None, device, lse asked, tree or dtype, cross) whose
+        refusals came back empty: asked once, not per call (FlashInfer's check looks up its
+        package, ~tens of µs)."""
         self._ragged_steps: dict[int, tuple[AttentionMetadata, RaggedStep]] = {}
         """id(metadata) -> (metadata, its RaggedStep), the last ``_RAGGED_STEPS`` plans'."""
 
@@ -158,52 +229,44 @@ class BackendBase(GraphHooks):
 
     @classmethod
     def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
-        """Device type and compute capability from ``capabilities``. Backends that need a
-        kernel package add an ``install`` reason here; this must import nothing heavy."""
+        """Hook: why it cannot run on ``device`` at all: the device type and compute capability
+        from ``capabilities``; a backend that needs a kernel package adds an ``install`` reason.
+        Imports nothing: the registry asks every backend before creating any."""
         return device_reasons(cls.capabilities, device)
 
     @classmethod
-    def extra_reasons(cls, layer: LayerSpec | None, layout: KVCacheLayout | None) -> list[Reason]:
-        """Hook: refusals that ``capabilities`` cannot express (a kernel build's switches)."""
-        return []
-
-    @classmethod
-    def option_reasons(
-        cls,
-        options: Any,
-        layer: LayerSpec | None,
-        layout: KVCacheLayout | None,
-        device: torch.device,
-    ) -> list[Reason]:
-        """Hook: refusals that depend on the backend's options (and the device they run on),
-        e.g. a kernel variant an option selects. ``options`` is an instance of ``Options``."""
-        return []
-
-    @classmethod
-    def reasons_for(
-        cls,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
-        options: BaseModel | None = None,
-    ) -> list[Reason]:
-        """Capabilities, environment, ``extra_reasons`` and ``option_reasons`` (for ``options``,
-        default: the default options), sorted and without repeats."""
-        reasons = set(capability_reasons(cls.capabilities, layer, layout, device))
-        reasons.update(cls.environment_reasons(device))
-        reasons.update(cls.extra_reasons(layer, layout))
-        dev = torch.device(device) if device is not None else default_device(cls.capabilities)
-        chosen = options if options is not None else cls.Options()
-        reasons.update(cls.option_reasons(chosen, layer, layout, dev))
+    def refusals(cls, request: Request) -> list[Reason]:
+        """Hook: every reason this backend cannot serve ``request``, sorted, environment first:
+        ``environment_reasons``, ``capability_reasons`` and the step features' rules
+        (``attnsdk.features``). A backend adds what its kernels refuse beyond what
+        ``capabilities`` can say (a build's switches, a kernel variant an option selects),
+        extending ``super().refusals(request)``; ``request.options`` is an ``Options`` instance
+        or None (the defaults: ``options_of``)."""
+        reasons = set(cls.environment_reasons(request.device))
+        reasons.update(capability_reasons(cls.capabilities, request))
+        for rules in (features_tree.refusals, features_cross.refusals, features_ragged.refusals):
+            reasons.update(rules(request))
         return sorted(reasons)
+
+    @classmethod
+    def options_of(cls, request: Request) -> Any:
+        """``request.options``, or this backend's default options."""
+        return request.options if request.options is not None else cls.Options()
 
     def unsupported_reasons(
         self,
         layer: LayerSpec | None = None,
         layout: KVCacheLayout | None = None,
         device: torch.device | str | None = None,
+        *,
+        uses: Iterable[Feature] = (),
+        dtype: torch.dtype | None = None,
     ) -> list[Reason]:
-        return self.reasons_for(layer, layout, device, self.options)
+        """Every reason this backend, with its options, cannot serve ``layer`` over ``layout``
+        on ``device`` with the step features ``uses`` (``refusals`` of that ``Request``)."""
+        dev = check_device("device", device) if device is not None else None
+        request = Request(layer, layout, dev, self.options, frozenset(uses), dtype)
+        return self.refusals(request)
 
     # -- once per model ---------------------------------------------------------------------
 
@@ -282,13 +345,19 @@ class BackendBase(GraphHooks):
 
     def plan(self, meta: AttentionMetadata) -> Plan:
         """Check ``meta`` on the host (no device sync), then ``make_plan``. A step with a
-        ``tree_mask`` or ``cross_attention`` is refused unless the backend declares the feature."""
+        ``tree_mask`` or ``cross_attention`` is refused unless the backend declares the feature
+        (a cross-attention step also plans on a backend with ragged attention alone: its
+        ``forward_ragged`` serves it, its ``forward`` refuses it)."""
         check_metadata(meta)
-        reasons = step_capability_reasons(self.capabilities, meta)
-        if reasons:
-            raise UnsupportedConfigError(
-                f"the {self.name} backend cannot serve this step:", reasons
-            )
+        uses = step_uses(meta)
+        if uses:
+            if Feature.RAGGED in self.capabilities.features:
+                uses |= {Feature.RAGGED}
+            reasons = missing_features(self.capabilities, uses)
+            if reasons:
+                raise UnsupportedConfigError(
+                    f"the {self.name} backend cannot serve this step:", reasons
+                )
         return self.make_plan(meta)
 
     def make_plan(self, meta: AttentionMetadata) -> Plan:
@@ -318,37 +387,23 @@ class BackendBase(GraphHooks):
             q, k, v, cache, plan, layer,
             sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
         )  # fmt: skip
-        if lse is not None:
-            reasons = self.lse_reasons(layer, cache.layout, cache.device)
-            if reasons:
-                raise UnsupportedConfigError(
-                    f"the {self.name} backend cannot return the log-sum-exp (lse=):", reasons
-                )
-        if plan.metadata.tree_mask is not None:
-            reasons = tree_reasons(layer)
-            if reasons:
-                raise UnsupportedConfigError(
-                    "this layer cannot run in a tree verify step (a step with a tree_mask):",
-                    reasons,
-                )
-        if plan.metadata.cross_attention:
-            if k is not None or v is not None:
-                raise InvalidInputError(
-                    "k/v",
-                    "None in a cross-attention step (write the encoder's K/V beforehand, e.g. "
-                    "with KVCache.store)",
-                    "tensors",
-                )
-            reasons = paged_cross_reasons(self.capabilities) + cross_reasons(layer)
-            if reasons:
-                raise UnsupportedConfigError(
-                    "this layer cannot run in a cross-attention step:", reasons
-                )
-        key = (layer, cache.layout)
-        try:
-            state = self._layer_states[key]
-        except KeyError:
-            state = self._first_forward(layer, cache)
+        meta = plan.metadata
+        if meta.cross_attention and (k is not None or v is not None):
+            raise InvalidInputError(
+                "k/v",
+                "None in a cross-attention step (write the encoder's K/V beforehand, e.g. "
+                "with KVCache.store)",
+                "tensors",
+            )
+        layout = cache.layout
+        served = (layer, layout, cache.device, lse is not None, meta.tree_mask is not None,
+                  meta.cross_attention)  # fmt: skip
+        if served not in self._served:
+            self._check_serves(layer, layout, cache.device, step_uses(meta, lse=lse is not None))
+            self._served.add(served)
+        state = self._layer_states.get((layer, layout), _UNSET)
+        if state is _UNSET:
+            state = self._layer_states[(layer, layout)] = self.layer_state(layer, layout)
         self.check_step(plan, cache)
         if cache.layout.mla:
             # V is a view of K's latent dims: every store and attend serves MLA as they are
@@ -363,9 +418,8 @@ class BackendBase(GraphHooks):
                 q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
             )
         return self.attend(
-            q, cache, plan, layer, state,
-            sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-        )  # fmt: skip
+            AttendArgs(q, cache, plan, layer, state, out, sinks, k_scale, v_scale, lse)
+        )
 
     def forward_ragged(
         self,
@@ -390,29 +444,17 @@ class BackendBase(GraphHooks):
         step = self._ragged_step(plan)
         check_ragged_args(q, k, v, plan, layer, sinks=sinks, out=out, lse=lse, keys=step.keys)
         cross = plan.metadata.cross_attention
-        served = (layer, q.dtype, q.device, lse is not None, cross)
-        if served not in self._ragged_served:
-            reasons = self.ragged_reasons(layer, q.device)
-            if q.dtype not in self.capabilities.dtypes:
-                reasons.append(
-                    Reason(ReasonKind.CONFIGURATION, "q.dtype", f"unsupported: {q.dtype}")
-                )
-            if lse is not None:
-                reasons += lse_capability_reasons(self.capabilities)
-            if cross:
-                reasons += cross_reasons(layer)
-            if reasons:
-                raise UnsupportedConfigError(
-                    f"the {self.name} backend cannot run this layer ragged:", sorted(set(reasons))
-                )
-            self._ragged_served.add(served)
+        served = (layer, None, q.device, lse is not None, q.dtype, cross)
+        if served not in self._served:
+            uses = step_uses(plan.metadata, lse=lse is not None, ragged=True)
+            self._check_serves(layer, None, q.device, uses, q.dtype)
+            self._served.add(served)
         if out is None:
             out = torch.empty(
                 q.shape[0], layer.num_heads, layer.v_dim, dtype=q.dtype, device=q.device
             )
-        result = self.attend_ragged(
-            q, k, v, plan, layer, step.key_start_loc, sinks=sinks, out=out, lse=lse
-        )
+        call = RaggedArgs(q, k, v, plan, layer, step.key_start_loc, out, sinks, lse)
+        result = self.attend_ragged(call)
         clear_keyless_rows(step.keyless, sinks, result, lse)
         return result
 
@@ -431,40 +473,33 @@ class BackendBase(GraphHooks):
         self._ragged_steps[id(meta)] = (meta, step)
         return step
 
-    def ragged_reasons(self, layer: LayerSpec, device: torch.device | str | None) -> list[Reason]:
-        """Why ``forward_ragged`` cannot run ``layer`` on ``device``; [] when it can. Default:
-        the capabilities (``Feature.RAGGED``, dims, device); backends add kernel limits."""
-        return ragged_capability_reasons(self.capabilities, layer, device)
-
-    def attend_ragged(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan: Plan,
-        layer: LayerSpec,
-        key_start_loc: torch.Tensor,
-        *,
-        sinks: torch.Tensor | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def attend_ragged(self, call: RaggedArgs) -> torch.Tensor:
         """Hook of a backend declaring ``Feature.RAGGED``: the attention of ``forward_ragged``
         into ``out`` (and ``lse``), every argument checked; ``key_start_loc`` (B + 1,) int32
         on the device says where each sequence's keys start in k / v. Rows of sequences with
         queries and no keys may hold anything: ``forward_ragged`` sets them afterwards."""
         raise NotImplementedError(f"{type(self).__name__} declares no ragged attention")
 
-    def lse_reasons(
-        self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
-    ) -> list[Reason]:
-        """Why ``forward`` cannot fill ``lse=`` for ``layer`` here; [] when it can.
+    def _check_serves(
+        self,
+        layer: LayerSpec,
+        layout: KVCacheLayout | None,
+        device: torch.device,
+        uses: frozenset[Feature],
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Refuse, before anything is written, a call this backend cannot serve (asked once per
+        kind of call: the served keys remember the answer)."""
+        reasons = self.unsupported_reasons(layer, layout, device, uses=uses, dtype=dtype)
+        if reasons:
+            asked = "".join(_ASKED[f] for f in sorted(uses, key=lambda f: f.value))
+            raise UnsupportedConfigError(
+                f"the {self.name} backend cannot run this layer{asked}:", reasons
+            )
 
-        The log-sum-exp is asked per call, not declared by the layer, so ``forward`` asks this
-        before writing anything. Default: ``Feature.LSE`` in ``capabilities``; backends add the
-        kernel variants that cannot return it.
-        """
-        return lse_capability_reasons(self.capabilities)
+    def sync_check(self, device: torch.device) -> None:
+        """Raise now, with a device sync, what device code recorded (debug mode calls it).
+        Default: nothing to check (``DeviceStoreBackend`` checks its KV store's flag)."""
 
     def check_step(self, plan: Plan, cache: KVCache) -> None:
         """Hook: checks before anything is written, beyond the host checks every forward runs
@@ -493,41 +528,10 @@ class BackendBase(GraphHooks):
             return
         cache.store(k[:t], v[:t], meta.slot_mapping[:t], k_scale=k_scale, v_scale=v_scale)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        cache: KVCache,
-        plan: Plan,
-        layer: LayerSpec,
-        state: Any,
-        *,
-        sinks: torch.Tensor | None,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def attend(self, call: AttendArgs) -> torch.Tensor:
         """Attention of q (T, Hq, D) over the cache (new K/V already stored), into ``out``
         (T, Hq, Dv), which it returns; when ``lse`` is a tensor, also each row's natural-log
-        log-sum-exp into it ((T, Hq) fp32, contiguous; only if ``lse_reasons`` allowed it).
+        log-sum-exp into it ((T, Hq) fp32, contiguous; only when ``refusals`` allowed it).
         Every argument has passed the host checks; ``state`` is
         ``layer_state(layer, cache.layout)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement attend()")
-
-    def _first_forward(self, layer: LayerSpec, cache: KVCache) -> Any:
-        reasons = self.unsupported_reasons(layer, cache.layout, cache.device)
-        if reasons:
-            raise UnsupportedConfigError(f"the {self.name} backend cannot run this layer:", reasons)
-        state = self._layer_states[(layer, cache.layout)] = self.layer_state(layer, cache.layout)
-        return state
-
-
-def lse_reasons_of(
-    backend: Backend, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
-) -> list[Reason]:
-    """Why ``backend`` refuses ``lse=`` for ``layer``: its ``lse_reasons`` (``BackendBase``,
-    ``routed``), or for a backend written to the protocol alone, its declared features."""
-    ask = getattr(backend, "lse_reasons", None)
-    if ask is not None:
-        return list(ask(layer, layout, device))
-    return lse_capability_reasons(backend.capabilities)

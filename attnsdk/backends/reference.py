@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from attnsdk.backends.base import BackendBase
+from attnsdk.backends.base import AttendArgs, BackendBase, RaggedArgs
 from attnsdk.contract.capabilities import Capabilities, Feature, GraphSupport
 from attnsdk.contract.kv import FP8_KV_DTYPES, KVOrder
 from attnsdk.contract.validate import check_pages
@@ -59,20 +59,9 @@ class ReferenceBackend(BackendBase):
         # The oracle may sync: every page it will read is checked before anything is written.
         check_pages(plan.metadata, cache.layout.page_size, cache.num_pages)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        cache: KVCache,
-        plan: Plan,
-        layer: LayerSpec,
-        state: None,
-        *,
-        sinks: torch.Tensor | None,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def attend(self, call: AttendArgs) -> torch.Tensor:
+        q, cache, plan, layer, _state = call.q, call.cache, call.plan, call.layer, call.state
+        sinks, k_scale, v_scale, out, lse = call.unpacked()
         meta = plan.metadata
         qsl = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
@@ -97,19 +86,10 @@ class ReferenceBackend(BackendBase):
                 self._attend(q[q0:q1], kb, vb, layer, sinks, out[q0:q1], rows_lse, tree)
         return out
 
-    def attend_ragged(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan: Plan,
-        layer: LayerSpec,
-        key_start_loc: torch.Tensor,
-        *,
-        sinks: torch.Tensor | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def attend_ragged(self, call: RaggedArgs) -> torch.Tensor:
+        q, k, v, plan, layer = call.q, call.k, call.v, call.plan, call.layer
+        key_start_loc = call.key_start_loc
+        sinks, out, lse = call.sinks, call.out, call.lse
         meta = plan.metadata
         qsl = meta.query_start_loc_cpu.tolist()
         starts = key_start_loc.tolist()  # the oracle may sync

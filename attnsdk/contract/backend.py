@@ -25,28 +25,37 @@ from attnsdk.contract.metadata import AttentionMetadata
 from attnsdk.contract.plan import Plan
 
 if TYPE_CHECKING:
-    from attnsdk.contract.capabilities import Capabilities
+    from collections.abc import Iterable
+
+    from attnsdk.contract.capabilities import Capabilities, Feature, Request
     from attnsdk.contract.kv import KVCacheLayout
     from attnsdk.contract.plan import GraphBuffers
 
 __all__ = [
+    "BACKEND_MEMBERS",
     "Backend",
     "BackendClass",
+    "EnvironmentProbe",
     "NoOptions",
     "check_forward_args",
     "check_no_grad",
     "check_plan",
     "check_tensor",
+    "missing_members",
 ]
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """A paged-attention implementation. ``attnsdk.create_backend`` returns one.
+    """A paged-attention implementation: every member attnsdk calls. ``create_backend``
+    returns one; ``BackendBase`` implements each with a documented default, so an author
+    writes only ``attend`` (and ``attend_ragged``, ``layer_state``, ``make_plan`` where needed).
 
-    Lifecycle per step: ``plan(meta)`` once (outside CUDA-graph capture, no device sync), then
-    ``forward`` once per layer with that plan. Under CUDA graphs: ``graph_state`` once,
-    ``plan_for_capture`` per captured batch size, ``plan_for_replay`` before each replay.
+    Lifecycle: ``prepare(layers, layout)`` once per model (and ``warmup()`` to compile its
+    kernels), then per step ``plan(meta)`` once (outside CUDA-graph capture, no device sync)
+    and ``forward`` once per layer with that plan (``forward_ragged`` for K/V given in the
+    call). Under CUDA graphs: ``graph_state`` once, ``plan_for_capture`` per captured batch
+    size, ``plan_for_replay`` before each replay.
     """
 
     @property
@@ -64,8 +73,27 @@ class Backend(Protocol):
         layer: LayerSpec | None = None,
         layout: KVCacheLayout | None = None,
         device: torch.device | str | None = None,
+        *,
+        uses: Iterable[Feature] = (),
+        dtype: torch.dtype | None = None,
     ) -> list[Reason]:
-        """Every reason this backend cannot serve ``layer`` / ``layout`` here; [] if it can."""
+        """Every reason this backend cannot serve ``layer`` over ``layout`` on ``device`` with
+        the step features ``uses`` (``lse=``, ``forward_ragged``, tree and cross-attention
+        steps; ``dtype``: q's, for a ragged call); [] if it can. Environment first."""
+        ...
+
+    def prepare(
+        self,
+        layers: Iterable[LayerSpec],
+        layout: KVCacheLayout,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Declare the model: check every layer (``UnsupportedConfigError`` naming each layer it
+        cannot serve) and work out what it needs per layer shape, before the first step."""
+        ...
+
+    def warmup(self, device: torch.device | str | None = None, num_pages: int = 8) -> None:
+        """Compile or load the kernels the prepared layers need (small scratch steps)."""
         ...
 
     def plan(self, meta: AttentionMetadata) -> Plan:
@@ -91,14 +119,32 @@ class Backend(Protocol):
 
         q: (T, Hq, D). k: (T, Hkv, D) and v: (T, Hkv, Dv), or both None when the caller has
         already written them. An MLA layer (``layer.mla``) takes k (T, 1, D) alone, latent
-        then rope, and v None: V is the latent part of the cache. sinks: (Hq,) fp32 when ``layer.has_sinks``. k_scale / v_scale:
-        fp32 () / (1,) / (Hkv,) for fp8 caches. out: optional (T, Hq, Dv) destination.
-        lse: optional (T, Hq) fp32 contiguous destination of each row's natural-log
-        log-sum-exp (docs/kv_layout.md, "The log-sum-exp"); a backend without
-        ``Feature.LSE`` refuses it before writing anything.
+        then rope, and v None: V is the latent part of the cache. sinks: (Hq,) fp32 when
+        ``layer.has_sinks``. k_scale / v_scale: fp32 () / (1,) / (Hkv,) for fp8 caches.
+        out: optional (T, Hq, Dv) destination. lse: optional (T, Hq) fp32 contiguous
+        destination of each row's natural-log log-sum-exp (docs/kv_layout.md, "The
+        log-sum-exp"); a backend without ``Feature.LSE`` refuses it before writing anything.
         Returns (T, Hq, Dv) in q's dtype; rows past ``num_tokens`` (of the output and of
         ``lse``) are unspecified.
         """
+        ...
+
+    def forward_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Plan,
+        layer: LayerSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over K/V given in the call (no cache; ``attnsdk.features.ragged``):
+        q (T, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), sequence b's keys at rows
+        ``key_start_loc[b]:key_start_loc[b+1]``. A backend without ``Feature.RAGGED`` refuses
+        it, typed, before reading anything."""
         ...
 
     def graph_state(
@@ -134,6 +180,35 @@ class Backend(Protocol):
         No allocation, no device sync, no advanced indexing into the static buffers.
         """
         ...
+
+    def sync_check(self, device: torch.device) -> None:
+        """Raise now, with a device sync, any error the backend's device code recorded (debug
+        mode calls it after every forward); a backend without device-side checks does
+        nothing."""
+        ...
+
+
+BACKEND_MEMBERS = (
+    "name",
+    "capabilities",
+    "unsupported_reasons",
+    "prepare",
+    "warmup",
+    "plan",
+    "forward",
+    "forward_ragged",
+    "graph_state",
+    "plan_for_capture",
+    "plan_for_replay",
+    "sync_check",
+)
+"""Every member of ``Backend``, in its order (tests/core/test_public_api.py pins it)."""
+
+
+def missing_members(obj: object) -> list[str]:
+    """The members of ``Backend`` that ``obj`` lacks: [] for a complete backend. The registry
+    checks what a factory returns with it, naming what is missing."""
+    return [m for m in BACKEND_MEMBERS if not hasattr(obj, m)]
 
 
 def check_forward_args(
@@ -342,6 +417,15 @@ class NoOptions(BaseModel):
 
 
 @runtime_checkable
+class EnvironmentProbe(Protocol):
+    """A factory that says, without creating anything or importing a kernel library, why its
+    backend cannot run on a device. The registry asks it before creating a backend; a plain
+    factory function need not have it (its backend then answers once created)."""
+
+    def environment_reasons(self, device: torch.device | str | None = None) -> list[Reason]: ...
+
+
+@runtime_checkable
 class BackendClass(Protocol):
     """What the registry reads from a backend class without creating it.
 
@@ -359,13 +443,7 @@ class BackendClass(Protocol):
         """Why it cannot run on ``device`` at all (not installed, wrong GPU). Imports nothing."""
         ...
 
-    def reasons_for(
-        self,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
-        options: BaseModel | None = None,
-    ) -> list[Reason]:
-        """Every reason it cannot serve ``layer`` / ``layout`` on ``device`` with ``options``
-        (None: the defaults), environment first."""
+    def refusals(self, request: Request) -> list[Reason]:
+        """Every reason it cannot serve ``request`` (its options: ``request.options``, None for
+        the defaults), environment first."""
         ...

@@ -1,4 +1,11 @@
-"""Declarative backend capabilities and the one generic check that turns them into reasons."""
+"""Declarative backend capabilities, the ``Request`` every "can it serve this?" question is,
+and the one generic check that turns a request and the capabilities into reasons.
+
+One refusal path: ``explain``, "auto", ``routed``, ``prepare`` and the checks ``forward`` /
+``forward_ragged`` run before writing anything all ask a backend ``refusals(Request(...))``
+(``BackendBase.refusals``: the environment, ``capability_reasons``, the feature modules'
+rules, then the backend's own), so the answer to a question is the same whoever asks it.
+"""
 
 from __future__ import annotations
 
@@ -13,28 +20,31 @@ from attnsdk.contract.errors import Reason, ReasonKind
 from attnsdk.contract.kv import FP8_KV_DTYPES, KVCacheLayout, KVOrder
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from attnsdk.contract.layer import LayerSpec
     from attnsdk.contract.metadata import AttentionMetadata
 
 __all__ = [
+    "STEP_FEATURES",
     "Capabilities",
     "Feature",
     "GraphSupport",
-    "Reason",
-    "ReasonKind",
+    "Request",
     "capability_reasons",
-    "lse_capability_reasons",
+    "missing_features",
+    "step_uses",
 ]
 
 
 class Feature(str, enum.Enum):
     """Optional semantics of DESIGN §2 that a backend may or may not implement.
 
-    All but ``LSE``, ``TREE_MASK``, ``CROSS_ATTENTION`` and ``RAGGED`` are properties of a layer
-    (``capability_reasons`` checks them against a ``LayerSpec``); ``LSE`` is asked per call, by
-    passing ``lse=`` to ``forward``, ``RAGGED`` by calling ``forward_ragged``, and the other two
-    per step, by a plan of metadata with a ``tree_mask`` or ``cross_attention``
-    (``step_capability_reasons``).
+    All but the ``STEP_FEATURES`` are properties of a layer (``capability_reasons`` checks them
+    against a ``LayerSpec``). Those four are asked for by a call or a step, and a ``Request``
+    lists them in ``uses``: ``LSE`` by passing ``lse=``, ``RAGGED`` by calling
+    ``forward_ragged``, ``TREE_MASK`` and ``CROSS_ATTENTION`` by a step whose metadata has a
+    ``tree_mask`` or ``cross_attention`` (``step_uses``).
     """
 
     GQA = "gqa"
@@ -98,6 +108,59 @@ class Capabilities:
     MLA layers are checked against ``max_head_dim`` like any other."""
 
 
+STEP_FEATURES = frozenset({Feature.LSE, Feature.RAGGED, Feature.TREE_MASK, Feature.CROSS_ATTENTION})
+"""The features a call or a step asks for (``Request.uses``), not a layer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What a backend is asked to serve: a layer over a cache layout on a device, with the
+    backend's options and the step features the call uses. Any field may be None (not asked):
+    ``Request(device=...)`` asks whether the backend runs there at all.
+
+    >>> Request(uses=frozenset({Feature.LSE})).uses == {Feature.LSE}
+    True
+    """
+
+    layer: LayerSpec | None = None
+    layout: KVCacheLayout | None = None
+    """The cache the layer reads; None in a ragged call (``Feature.RAGGED``: no cache)."""
+    device: torch.device | None = None
+    """None: where the backend runs by default (``default_device``)."""
+    options: BaseModel | None = None
+    """The backend's options model instance; None: its defaults."""
+    uses: frozenset[Feature] = frozenset()
+    """Step features asked for (a subset of ``STEP_FEATURES``)."""
+    dtype: torch.dtype | None = None
+    """The compute dtype when there is no layout to carry it (a ragged call: q's dtype)."""
+
+    @property
+    def mla(self) -> bool:
+        """Whether the layer or the layout asks for MLA."""
+        return is_mla(self.layer, self.layout)
+
+    def named(self, prefix: str, reasons: list[Reason]) -> list[Reason]:
+        """``reasons`` with each field prefixed (``layers[3].softcap``, ``decode.lse``)."""
+        return [Reason(r.kind, f"{prefix}.{r.field}", r.message) for r in reasons]
+
+
+def step_uses(
+    meta: AttentionMetadata, *, lse: bool = False, ragged: bool = False
+) -> frozenset[Feature]:
+    """The step features a forward over ``meta`` uses: its tree mask and cross-attention flag,
+    and ``lse=`` / ``forward_ragged`` as the call says."""
+    uses = set()
+    if meta.tree_mask is not None:
+        uses.add(Feature.TREE_MASK)
+    if meta.cross_attention:
+        uses.add(Feature.CROSS_ATTENTION)
+    if lse:
+        uses.add(Feature.LSE)
+    if ragged:
+        uses.add(Feature.RAGGED)
+    return frozenset(uses)
+
+
 def is_mla(layer: LayerSpec | None, layout: KVCacheLayout | None) -> bool:
     """Whether the layer or the layout (either may be None) asks for MLA."""
     return (layer is not None and layer.mla) or (layout is not None and layout.mla)
@@ -145,15 +208,14 @@ def device_reasons(caps: Capabilities, device: torch.device | str | None) -> lis
     return reasons
 
 
-def capability_reasons(
-    caps: Capabilities,
-    layer: LayerSpec | None,
-    layout: KVCacheLayout | None,
-    device: torch.device | str | None = None,
-) -> list[Reason]:
-    """Every way ``layer`` / ``layout`` on ``device`` exceeds ``caps``, environment first."""
+def capability_reasons(caps: Capabilities, request: Request) -> list[Reason]:
+    """Every way ``request`` exceeds ``caps``, environment first: the device, the layout's
+    dtypes, page size and order, the dims, the layer's features, and each step feature in
+    ``request.uses`` (cross-attention is also served by ragged attention alone, for ragged
+    calls)."""
     cfg = ReasonKind.CONFIGURATION
-    reasons = device_reasons(caps, device)
+    layer, layout = request.layer, request.layout
+    reasons = device_reasons(caps, request.device)
     f = caps.features
     if layout is not None:
         if layout.dtype not in caps.dtypes:
@@ -185,12 +247,16 @@ def capability_reasons(
             reasons.append(
                 Reason(cfg, "order", f"must be one of {orders}, found {layout.kv_order.value!r}")
             )
+    elif request.dtype is not None and request.dtype not in caps.dtypes:
+        reasons.append(
+            Reason(cfg, "dtype", f"must be one of {_names(caps.dtypes)}, found {request.dtype}")
+        )
     dims: dict[str, int] = {}
     if layer is not None:
         dims.update(head_dim=layer.head_dim, v_head_dim=layer.v_dim)
     if layout is not None:
         dims.update(head_dim=layout.head_dim, v_head_dim=layout.v_dim)
-    mla = is_mla(layer, layout)
+    mla = request.mla
     if mla:
         reasons += _mla_reasons(caps, layer, layout, dims)
     for name, d in dims.items() if not (mla and caps.mla_dims is not None) else ():
@@ -230,7 +296,19 @@ def capability_reasons(
                 reasons.append(
                     Reason(cfg, name, f"layer has {mine} but the KV layout has {theirs}")
                 )
+    reasons += missing_features(caps, request.uses)
     return sorted(reasons)
+
+
+def missing_features(caps: Capabilities, uses: frozenset[Feature]) -> list[Reason]:
+    """The step features in ``uses`` that ``caps`` does not declare (a cross-attention step
+    of a ragged call needs only ``Feature.RAGGED``: its keys come with the call)."""
+    reasons = []
+    for feat in sorted(uses - caps.features, key=lambda x: x.value):
+        if feat is Feature.CROSS_ATTENTION and Feature.RAGGED in uses:
+            continue
+        reasons.append(Reason(_STEP_KIND[feat], feat.value, _STEP_WHY[feat]))
+    return reasons
 
 
 def _mla_reasons(
@@ -260,37 +338,19 @@ def _mla_reasons(
     return reasons
 
 
-def lse_capability_reasons(caps: Capabilities) -> list[Reason]:
-    """Why ``forward(..., lse=)`` is refused by what ``caps`` declares; [] with ``Feature.LSE``."""
-    if Feature.LSE in caps.features:
-        return []
-    return [Reason(ReasonKind.CONFIGURATION, "lse", "is not supported by this backend")]
-
-
-def step_capability_reasons(caps: Capabilities, meta: AttentionMetadata) -> list[Reason]:
-    """Why a step is refused by what ``caps`` declares: a ``tree_mask`` without
-    ``Feature.TREE_MASK``, ``cross_attention`` without ``Feature.CROSS_ATTENTION`` or
-    ``Feature.RAGGED`` (a plan serves both forwards: a backend with only ``RAGGED`` plans the
-    step, and its paged ``forward`` refuses it, ``paged_cross_reasons``)."""
-    reasons = []
-    if meta.tree_mask is not None and Feature.TREE_MASK not in caps.features:
-        reasons.append(Reason(ReasonKind.BATCH, "tree_mask", "is not supported by this backend"))
-    ragged = Feature.RAGGED in caps.features
-    if meta.cross_attention and Feature.CROSS_ATTENTION not in caps.features and not ragged:
-        reasons.append(
-            Reason(ReasonKind.BATCH, "cross_attention", "is not supported by this backend")
-        )
-    return reasons
-
-
-def paged_cross_reasons(caps: Capabilities) -> list[Reason]:
-    """Why a paged ``forward`` refuses a cross-attention step that ``plan`` accepted for
-    ``forward_ragged`` (a backend with ``Feature.RAGGED`` but not ``CROSS_ATTENTION``)."""
-    if Feature.CROSS_ATTENTION in caps.features:
-        return []
-    why = "is served only by forward_ragged on this backend (K/V given in the call)"
-    return [Reason(ReasonKind.BATCH, "cross_attention", why)]
-
+_STEP_KIND = {
+    Feature.LSE: ReasonKind.CONFIGURATION,
+    Feature.RAGGED: ReasonKind.CONFIGURATION,
+    Feature.TREE_MASK: ReasonKind.BATCH,
+    Feature.CROSS_ATTENTION: ReasonKind.BATCH,
+}
+_STEP_WHY = {
+    Feature.LSE: "is not supported by this backend",
+    Feature.RAGGED: "forward_ragged (K/V given in the call) is not supported by this backend",
+    Feature.TREE_MASK: "is not supported by this backend",
+    Feature.CROSS_ATTENTION: "is not supported by this backend",
+}
+"""How a step feature a backend lacks is refused (field: the feature's name)."""
 
 _FEATURE_FIELDS = {Feature.CHUNKED_LOCAL: "attention_chunk_size"}
 """Features a reason names by the ``LayerSpec`` field that asks for them (the others by their

@@ -9,7 +9,7 @@ its position: a sequence may have more queries than keys, and one without keys o
 The step writes nothing (``forward`` gets k = v = None; ``slot_mapping`` holds -1).
 
 Only non-causal layers without a window or attention chunks: their rules are defined over
-positions of one sequence, which queries and keys here do not share (``cross_reasons``). A
+positions of one sequence, which queries and keys here do not share (``refusals``). A
 CUDA-graph replay refuses a cross-attention step (the graph buffers carry no such flag).
 """
 
@@ -17,17 +17,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from attnsdk.contract.capabilities import Feature
 from attnsdk.contract.errors import Reason, ReasonKind
 
 if TYPE_CHECKING:
-    from attnsdk.contract.layer import LayerSpec
+    from attnsdk.contract.capabilities import Request
 
-__all__ = ["cross_reasons"]
+__all__ = ["refusals"]
 
 
-def cross_reasons(layer: LayerSpec) -> list[Reason]:
-    """Why ``layer`` cannot run in a cross-attention step: the rules that need queries and keys
-    to share positions."""
+def refusals(request: Request) -> list[Reason]:
+    """Why ``request``'s layer cannot run in a cross-attention step (``Feature.CROSS_ATTENTION``
+    in ``request.uses``): the rules that need queries and keys to share positions."""
+    layer = request.layer
+    if Feature.CROSS_ATTENTION not in request.uses or layer is None:
+        return []
     reasons = []
     if layer.causal:
         reasons.append(

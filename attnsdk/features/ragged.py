@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnsdk.contract.backend import check_no_grad, check_plan, check_tensor
-from attnsdk.contract.capabilities import Capabilities, Feature, capability_reasons
+from attnsdk.contract.capabilities import Feature
 from attnsdk.contract.errors import InvalidInputError, Reason, ReasonKind
 from attnsdk.contract.layer import LayerSpec
 
 if TYPE_CHECKING:
+    from attnsdk.contract.capabilities import Request
     from attnsdk.contract.metadata import AttentionMetadata
     from attnsdk.contract.plan import Plan
 
@@ -40,24 +41,22 @@ __all__ = [
     "check_ragged_args",
     "clear_keyless_rows",
     "key_starts",
-    "ragged_capability_reasons",
     "ragged_step",
+    "refusals",
 ]
 
 _CFG = ReasonKind.CONFIGURATION
 _Q = {"dtype_of": "q's", "device_of": "q's"}
 
 
-def ragged_capability_reasons(
-    caps: Capabilities, layer: LayerSpec, device: torch.device | str | None
-) -> list[Reason]:
-    """Why a backend declaring ``caps`` cannot run ``layer`` ragged on ``device``: the
-    capabilities (no cache layout involved), ``Feature.RAGGED``, and MLA layers."""
-    reasons = capability_reasons(caps, layer, None, device)
-    if Feature.RAGGED not in caps.features:
-        reasons.append(
-            Reason(_CFG, "ragged", "forward_ragged (K/V given in the call) is not supported")
-        )
+def refusals(request: Request) -> list[Reason]:
+    """Why ``request``'s layer cannot run ragged (``Feature.RAGGED`` in ``request.uses``):
+    an MLA layer reads its latent from a cache. (Whether the backend has ragged attention at
+    all, and the dims it takes, are ``capability_reasons``'.)"""
+    layer = request.layer
+    if Feature.RAGGED not in request.uses or layer is None:
+        return []
+    reasons = []
     if layer.mla:
         reasons.append(
             Reason(

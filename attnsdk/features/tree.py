@@ -9,7 +9,7 @@ Semantics (docs/kv_layout.md, "Tree verify"): the query row t, new token i of it
 sees key position k < seq_len - n always, and the new token j <= i when ``tree_mask[t, j]``.
 All new tokens' K/V are written before attention as in any step. The mask replaces only the
 causal rule among the new tokens: a layer with a sliding window, attention chunks or no
-causality has no meaning for a tree's positions and is refused (``tree_reasons``), as is a
+causality has no meaning for a tree's positions and is refused (``refusals``), as is a
 CUDA-graph capture (the graph buffers carry no mask).
 
 Kernels without a mask input (FA3) serve a tree in two passes merged by their log-sum-exps
@@ -28,19 +28,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnsdk.contract.capabilities import Feature
 from attnsdk.contract.checks import check_usable_device
 from attnsdk.contract.errors import InvalidInputError, Reason, ReasonKind
 from attnsdk.contract.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from attnsdk.contract.layer import LayerSpec
+    from attnsdk.contract.capabilities import Request
 
 __all__ = [
     "TreePasses",
+    "refusals",
     "token_pool",
     "tree_mask_from_parents",
     "tree_passes",
-    "tree_reasons",
 ]
 
 
@@ -91,9 +92,12 @@ def _short(value: object) -> str:
     return repr(value) if len(repr(value)) <= 60 else f"a {type(value).__name__}"
 
 
-def tree_reasons(layer: LayerSpec) -> list[Reason]:
-    """Why ``layer`` cannot run in a step with a tree mask: the layer features whose positions
-    a tree does not define."""
+def refusals(request: Request) -> list[Reason]:
+    """Why ``request``'s layer cannot run in a step with a tree mask (``Feature.TREE_MASK`` in
+    ``request.uses``): the layer features whose positions a tree does not define."""
+    layer = request.layer
+    if Feature.TREE_MASK not in request.uses or layer is None:
+        return []
     reasons = []
     if not layer.causal:
         reasons.append(Reason(ReasonKind.BATCH, "causal", "a tree mask needs a causal layer"))

@@ -11,8 +11,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from attnsdk.contract.backend import BackendClass
-from attnsdk.contract.capabilities import Capabilities, capability_reasons
+import torch
+
+from attnsdk.contract.backend import BackendClass, missing_members
+from attnsdk.contract.capabilities import Request
 from attnsdk.contract.errors import (
     AttnSDKError,
     BackendUnavailableError,
@@ -27,10 +29,10 @@ from attnsdk.selection.registry import AUTO, _entries, _Entry, canonical_name, l
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    import torch
     from pydantic import BaseModel
 
     from attnsdk.contract.backend import Backend
+    from attnsdk.contract.capabilities import Feature
     from attnsdk.contract.kv import KVCacheLayout
     from attnsdk.contract.layer import LayerSpec
     from attnsdk.selection.config import AttentionConfig
@@ -73,12 +75,17 @@ def create_backend(
     if device is not None:
         device = check_device("device", device)
     model = _check_model(layers, layout)
+    entry: _Entry | None = None
     if config is None:
         config = AttentionConfig.from_env()
     elif isinstance(config, str):
-        if canonical_name(config) != AUTO:  # before AttentionConfig resolves the options model
-            _check_can_run(lookup(config), device)
-        config = AttentionConfig(backend=config)
+        if canonical_name(config) != AUTO:
+            # Asked before the config resolves the options model (a plugin's may not load).
+            entry = lookup(config)
+            _check_can_run(entry, device)
+            config = AttentionConfig(backend=entry.name)
+        else:
+            config = AttentionConfig()
     elif not isinstance(config, AttentionConfig):
         raise InvalidInputError(
             "config", "a backend name, an AttentionConfig or None", repr(config)
@@ -86,15 +93,12 @@ def create_backend(
     if config.backend == AUTO:
         backend = _create_auto(config, device, model)
     else:
-        entry = lookup(config.backend)
-        _check_can_run(entry, device)
+        if entry is None:
+            entry = lookup(config.backend)
+            _check_can_run(entry, device)
         backend = _create(entry, config.options)
     if model is not None:
-        prepare = getattr(backend, "prepare", None)
-        if prepare is not None:
-            prepare(model[0], model[1], device)
-        else:  # a plain Backend: its reasons, per layer
-            _check_serves(backend, model, device)
+        backend.prepare(model[0], model[1], device)
     return wrap_debug(backend) if debug_enabled(config) else backend
 
 
@@ -135,26 +139,9 @@ def _model_reasons(
         seen[layer] = i
         found += [
             Reason(r.kind, f"layers[{i}].{r.field}", r.message)
-            for r in _reasons(entry, layer, layout, device)
+            for r in _reasons(entry, Request(layer, layout, _as_device(device)))
         ]
     return sorted(set(found))
-
-
-def _check_serves(
-    backend: Backend,
-    model: tuple[list[LayerSpec], KVCacheLayout],
-    device: torch.device | str | None,
-) -> None:
-    layers, layout = model
-    found = [
-        Reason(r.kind, f"layers[{i}].{r.field}", r.message)
-        for i, layer in enumerate(layers)
-        for r in backend.unsupported_reasons(layer, layout, device)
-    ]
-    if found:
-        raise UnsupportedConfigError(
-            f"the {backend.name} backend cannot serve this model:", sorted(set(found))
-        )
 
 
 def _create(entry: _Entry, options: BaseModel) -> Backend:
@@ -168,14 +155,19 @@ def _create(entry: _Entry, options: BaseModel) -> Backend:
             f"backend {entry.name!r} failed to start:",
             [Reason(ReasonKind.ENVIRONMENT, "create", f"{type(exc).__name__}: {exc}")],
         ) from exc
-    from attnsdk.contract.backend import Backend
-
-    if not isinstance(backend, Backend):
+    missing = missing_members(backend)
+    if missing:
         raise UnsupportedConfigError(
             f"backend {entry.name!r}: its factory returned {type(backend).__name__}, not an "
-            "object with the attnsdk.Backend methods (name, capabilities, plan, forward, ...)"
+            f"attnsdk.Backend: it lacks {', '.join(missing)} (subclass attnsdk.BackendBase, "
+            "which has every member)",
+            [Reason(ReasonKind.CONFIGURATION, "factory", f"lacks {', '.join(missing)}")],
         )
     return backend
+
+
+def _as_device(device: torch.device | str | None) -> torch.device | None:
+    return None if device is None else torch.device(device)
 
 
 def _check_can_run(entry: _Entry, device: torch.device | str | None) -> None:
@@ -189,8 +181,12 @@ def explain(
     layer: LayerSpec | None = None,
     layout: KVCacheLayout | None = None,
     device: torch.device | str | None = None,
+    *,
+    uses: Iterable[Feature] = (),
 ) -> dict[str, list[Reason]]:
-    """Every reason each candidate backend cannot serve ``layer`` / ``layout`` on ``device``.
+    """Every reason each candidate backend cannot serve ``layer`` / ``layout`` on ``device``
+    with the step features ``uses`` (``Feature.LSE``, ``RAGGED``, ``TREE_MASK``,
+    ``CROSS_ATTENTION``).
 
     For ``"auto"`` the backends it may pick are listed in the order it tries them (every
     registered backend by priority, or ``AutoOptions.candidates``); otherwise only the configured
@@ -210,8 +206,7 @@ def explain(
     for field, value, kind in (("layer", layer, LayerSpec), ("layout", layout, KVCacheLayout)):
         if value is not None and not isinstance(value, kind):
             raise InvalidInputError(field, f"None or a {kind.__name__}", repr(value))
-    if device is not None:
-        check_device("device", device)
+    dev = check_device("device", device) if device is not None else None
     name = canonical_name(config if isinstance(config, str) else config.backend)
     if name != AUTO:
         entries = [lookup(name)]
@@ -222,42 +217,29 @@ def explain(
     # An explicit config's options count (flex compiled or not, flashinfer's decode kernel);
     # "auto" creates its candidates with their default options.
     options = config.options if isinstance(config, AttentionConfig) and name != AUTO else None
-    return {e.name: _reasons(e, layer, layout, device, options) for e in entries}
+    request = Request(layer, layout, dev, options, frozenset(uses))
+    return {e.name: _reasons(e, request) for e in entries}
 
 
-def _reasons(
-    entry: _Entry,
-    layer: LayerSpec | None,
-    layout: KVCacheLayout | None,
-    device: torch.device | str | None,
-    options: BaseModel | None = None,
-) -> list[Reason]:
-    """Why ``entry`` cannot serve the request; ``options``: the configured ones (None: the
-    defaults, which is what "auto" creates)."""
-    env = entry.environment_reasons(device)
+def _reasons(entry: _Entry, request: Request) -> list[Reason]:
+    """Why ``entry`` cannot serve ``request`` (its ``options``: the configured ones, None for
+    the defaults, which is what "auto" creates)."""
+    env = entry.environment_reasons(request.device)
     if any(r.field == "import" for r in env):
         return env
     factory = entry.factory()
-    # A backend class answers without being created (FA3 adds its build's own refusals,
+    # A backend class answers without being created (its refusals: FA3 adds its build's,
     # flex and flashinfer those of their options).
     if isinstance(factory, BackendClass):
-        asked = (
-            factory.reasons_for(layer, layout, device)
-            if options is None
-            else factory.reasons_for(layer, layout, device, options)
-        )
-        return sorted(set(env) | set(asked))
-    caps = getattr(factory, "capabilities", None)
-    if isinstance(caps, Capabilities):
-        checked = capability_reasons(caps, layer, layout, device)
-        return sorted(set(env) | {r for r in checked if r.kind is not ReasonKind.ENVIRONMENT})
+        return sorted(set(env) | set(factory.refusals(request)))
     if env:
         return env
     try:
-        backend = factory(entry.options_model()())
+        backend = _create(entry, request.options or entry.options_model()())
     except BackendUnavailableError as exc:
         return [Reason(ReasonKind.ENVIRONMENT, "install", str(exc))]
-    return backend.unsupported_reasons(layer, layout, device)
+    r = request
+    return backend.unsupported_reasons(r.layer, r.layout, r.device, uses=r.uses, dtype=r.dtype)
 
 
 def _create_auto(

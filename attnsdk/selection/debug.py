@@ -17,19 +17,15 @@ from attnsdk.contract.debug import ENV_DEBUG, env_debug
 from attnsdk.contract.errors import (
     AttnSDKError,
     InvalidInputError,
-    Reason,
-    ReasonKind,
-    UnsupportedConfigError,
 )
 from attnsdk.contract.metadata import check_is_metadata, validate_metadata
 from attnsdk.features.ragged import check_ragged_args
+from attnsdk.selection.wrapper import BackendWrapper, ForwardCall, RaggedCall
 
 if TYPE_CHECKING:
     from attnsdk.contract.backend import Backend
-    from attnsdk.contract.kv import KVCache, KVCacheLayout
-    from attnsdk.contract.layer import LayerSpec
     from attnsdk.contract.metadata import AttentionMetadata
-    from attnsdk.contract.plan import GraphBuffers, Plan
+    from attnsdk.contract.plan import Plan
     from attnsdk.selection.config import AttentionConfig
 
 __all__ = ["ENV_DEBUG", "DebugBackend", "debug_enabled", "wrap_debug"]
@@ -44,7 +40,7 @@ def wrap_debug(backend: Backend) -> Backend:
     return backend if isinstance(backend, DebugBackend) else DebugBackend(backend)
 
 
-class DebugBackend:
+class DebugBackend(BackendWrapper):
     """A backend with every check on. Other attributes are the wrapped backend's.
 
     Before each forward: the argument checks, ``AttentionMetadata.validate(cache)`` (once per
@@ -64,19 +60,14 @@ class DebugBackend:
         id, which a new plan may reuse once the old one is freed."""
         self._validated_ragged: Plan | None = None
 
+    def members(self) -> list[Backend]:
+        return [self.inner]
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def __repr__(self) -> str:
         return f"DebugBackend({self.inner!r})"
-
-    def unsupported_reasons(
-        self,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
-    ) -> list[Reason]:
-        return self.inner.unsupported_reasons(layer, layout, device)
 
     def plan(self, meta: AttentionMetadata) -> Plan:
         check_is_metadata("meta", meta)
@@ -85,95 +76,72 @@ class DebugBackend:
             validate_metadata(meta, meta.page_size, reserved_page=None)
         return self.inner.plan(meta)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        cache: KVCache,
-        plan: Plan,
-        layer: LayerSpec,
-        *,
-        sinks: torch.Tensor | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        kwargs = {"sinks": sinks, "k_scale": k_scale, "v_scale": v_scale, "out": out}
-        # lse= only when asked for: a protocol backend written before it still runs.
-        extra = {} if lse is None else {"lse": lse}
+    def before_forward(self, call: ForwardCall) -> None:
+        """Every check of a forward before it runs (class docstring); none while capturing."""
         if _capturing():
-            return self.inner.forward(q, k, v, cache, plan, layer, **kwargs, **extra)
-        check_forward_args(q, k, v, cache, plan, layer, lse=lse, **kwargs)
-        meta = plan.metadata
+            return
+        c = call
+        check_forward_args(
+            c.q, c.k, c.v, c.cache, c.plan, c.layer,
+            sinks=c.sinks, k_scale=c.k_scale, v_scale=c.v_scale, out=c.out, lse=c.lse,
+        )  # fmt: skip
+        meta, layer = c.plan.metadata, c.layer
         last = self._validated
-        seen = (cache.num_pages, layer.sliding_window, layer.attention_chunk_size)
-        if last is None or last[0] is not plan or last[1:] != seen:
+        seen = (c.cache.num_pages, layer.sliding_window, layer.attention_chunk_size)
+        if last is None or last[0] is not c.plan or last[1:] != seen:
             validate_metadata(
                 meta,
-                cache,
+                c.cache,
                 reserved_page=_reserved_page_to_check(meta),
                 sliding_window=layer.sliding_window,
                 attention_chunk_size=layer.attention_chunk_size,
             )
-            self._validated = (plan, *seen)
+            self._validated = (c.plan, *seen)
         rows = int(meta.query_start_loc_cpu[-1])
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        for name, t in (("q", c.q), ("k", c.k), ("v", c.v)):
             if t is not None:
                 _finite(name, t[:rows], InvalidInputError)
-        if sinks is not None:
-            _finite_sinks(sinks)
-        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if c.sinks is not None:
+            _finite_sinks(c.sinks)
+        for name, scale in (("k_scale", c.k_scale), ("v_scale", c.v_scale)):
             if scale is not None and not bool((torch.isfinite(scale) & (scale > 0)).all()):
                 raise InvalidInputError(name, "finite values > 0", scale.flatten().tolist())
-        result = self.inner.forward(q, k, v, cache, plan, layer, **kwargs, **extra)
-        return self._checked(result, lse, rows, cache.device)
 
-    def forward_ragged(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan: Plan,
-        layer: LayerSpec,
-        *,
-        sinks: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``forward``'s checks for a ragged call: the arguments, ``validate(None)`` once per
-        plan (which reads ``key_start_loc`` against ``seq_lens``), finite q and key rows of
-        k / v; after it, a finite output and lse."""
-        inner = getattr(self.inner, "forward_ragged", None)
-        if inner is None:
-            raise UnsupportedConfigError(
-                f"the {self.name} backend cannot run this layer ragged:",
-                [Reason(ReasonKind.CONFIGURATION, "ragged", "it has no forward_ragged")],
-            )
-        kwargs = {"sinks": sinks, "out": out, "lse": lse}
+    def after_forward(self, call: ForwardCall, result: torch.Tensor) -> torch.Tensor:
         if _capturing():
-            return inner(q, k, v, plan, layer, **kwargs)
-        check_ragged_args(q, k, v, plan, layer, sinks=sinks, out=out, lse=lse)
-        meta = plan.metadata
-        if self._validated_ragged is not plan:
+            return result
+        rows = int(call.plan.metadata.query_start_loc_cpu[-1])
+        return self._checked(result, call.lse, rows, call.cache.device)
+
+    def before_ragged(self, call: RaggedCall) -> None:
+        """``before_forward``'s checks for a ragged call: the arguments, ``validate(None)``
+        once per plan (which reads ``key_start_loc`` against ``seq_lens``), finite q and key
+        rows of k / v."""
+        if _capturing():
+            return
+        c = call
+        check_ragged_args(c.q, c.k, c.v, c.plan, c.layer, sinks=c.sinks, out=c.out, lse=c.lse)
+        meta = c.plan.metadata
+        if self._validated_ragged is not c.plan:
             validate_metadata(meta, None)
-            self._validated_ragged = plan
+            self._validated_ragged = c.plan
         rows, keys = meta.num_tokens, int(meta.seq_lens_cpu.sum())
-        for name, t in (("q", q[:rows]), ("k", k[:keys]), ("v", v[:keys])):
+        for name, t in (("q", c.q[:rows]), ("k", c.k[:keys]), ("v", c.v[:keys])):
             _finite(name, t, InvalidInputError)
-        if sinks is not None:
-            _finite_sinks(sinks)
-        return self._checked(inner(q, k, v, plan, layer, **kwargs), lse, rows, q.device)
+        if c.sinks is not None:
+            _finite_sinks(c.sinks)
+
+    def after_ragged(self, call: RaggedCall, result: torch.Tensor) -> torch.Tensor:
+        if _capturing():
+            return result
+        return self._checked(result, call.lse, call.plan.metadata.num_tokens, call.q.device)
 
     def _checked(
         self, result: torch.Tensor, lse: torch.Tensor | None, rows: int, device: torch.device
     ) -> torch.Tensor:
         """``result`` after a forward: any error the device recorded, then a finite output and
         lse in the ``rows`` real token rows."""
-        sync_check = getattr(self.inner, "sync_check", None)
-        if sync_check is not None:
-            sync_check(device)
+        self.inner.sync_check(device)
         _finite("output", result[:rows], None, backend=self.name)
         if lse is not None:
             # -inf is a valid log-sum-exp (a row that sees no key and no sink); NaN never is.
@@ -181,33 +149,8 @@ class DebugBackend:
             _finite("lse", real.masked_fill(real == float("-inf"), 0.0), None, backend=self.name)
         return result
 
-    def graph_state(
-        self,
-        max_batch: int,
-        max_tokens: int,
-        max_pages: int,
-        *,
-        page_size: int,
-        device: torch.device | str,
-    ) -> GraphBuffers:
-        return self.inner.graph_state(
-            max_batch, max_tokens, max_pages, page_size=page_size, device=device
-        )
-
-    def plan_for_capture(
-        self,
-        state: GraphBuffers,
-        batch_size: int,
-        num_tokens: int,
-        *,
-        max_query_len: int | None = None,
-    ) -> Plan:
-        return self.inner.plan_for_capture(
-            state, batch_size, num_tokens, max_query_len=max_query_len
-        )
-
     def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
-        self.inner.plan_for_replay(plan, meta)
+        super().plan_for_replay(plan, meta)
         if plan.graph is not None:
             validate_metadata(plan.metadata, plan.graph.page_size, reserved_page=None)
 
@@ -215,9 +158,9 @@ class DebugBackend:
 def _reserved_page_to_check(meta: AttentionMetadata) -> int | None:
     """Page 0, except in a self-attention step that writes nothing (then None: unchecked).
 
-    Such a step's keys are not in pages an engine allocated: vLLM's encoder-only attention
-    views the step's own k/v as a page-size-1 cache (token t on page t, page 0 being token 0)
-    and writes nothing, and every backend serves it exactly. Every step that writes K/V (any
+    Such a step's keys are not in pages an engine allocated: encoder-only attention served on
+    a paged backend views the step's own k/v as a page-size-1 cache (token t on page t, page 0
+    being token 0) and writes nothing, and every backend serves it exactly. Every step that writes K/V (any
     decoder step) and every cross-attention step reads pages an engine allocated, where page 0
     is its padding page or null block: those are checked, so a layer reading vLLM's null block
     in place of its own keys is still caught. ``validate()`` called directly is strict.

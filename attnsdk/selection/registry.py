@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from attnsdk.contract.backend import NoOptions
+from attnsdk.contract.backend import EnvironmentProbe, NoOptions
 from attnsdk.contract.errors import InvalidInputError, Reason, ReasonKind, UnsupportedConfigError
 
 if TYPE_CHECKING:
@@ -99,11 +99,10 @@ class _Entry:
         except Exception as exc:  # a broken plugin is one backend that cannot run, not a crash
             why = f"{self.target} cannot be loaded: {type(exc).__name__}: {exc}"
             return [Reason(ReasonKind.ENVIRONMENT, "import", why)]
-        probe = getattr(factory, "environment_reasons", None)
-        if probe is None:
-            return []
+        if not isinstance(factory, EnvironmentProbe):
+            return []  # a plain factory: what it creates answers (``unsupported_reasons``)
         try:
-            return list(probe(device))
+            return list(factory.environment_reasons(device))
         except Exception as exc:  # a crashing probe is a backend that cannot run, not a crash
             why = f"{self.target} environment_reasons() raised {type(exc).__name__}: {exc}"
             return [Reason(ReasonKind.ENVIRONMENT, "environment_reasons", why)]
@@ -148,8 +147,8 @@ def register_backend(
     name only (a composite such as ``routed``). ``options`` is the pydantic model that validates the
     backend's options in an ``AttentionConfig``; None means the factory's ``Options`` attribute,
     else no options. A ``BackendBase`` subclass answers "auto" and ``explain`` without being
-    created (``environment_reasons``, ``reasons_for(layer, layout, device, options)``); so does
-    any factory with those classmethods (``attnsdk.BackendClass``).
+    created (``environment_reasons(device)``, ``refusals(request)``); so does any factory with
+    those classmethods (``attnsdk.BackendClass``).
 
     >>> from attnsdk.backends.reference import ReferenceBackend, ReferenceOptions
     >>> handle = register_backend(
@@ -267,32 +266,19 @@ _BUILTINS = frozenset({"reference", "fa3", "routed", "flashinfer", "flex"})
 
 
 def _register_builtins() -> None:
-    _REGISTRY["reference"] = _Entry(
-        "reference",
-        "attnsdk.backends.reference:ReferenceBackend",
-        0,
-        "attnsdk.backends.reference:ReferenceOptions",
-    )
+    """The built-in backends; each states its priority and options model on its class (read on
+    first use, as a plugin's are): fa3 100, flashinfer 90, reference 0, flex -10, below the
+    reference so that without a GPU "auto" keeps the reference (DESIGN §4), which needs no
+    compiler; routed is a composite, asked for by name."""
+    for name, target in (
+        ("reference", "attnsdk.backends.reference:ReferenceBackend"),
+        ("fa3", "attnsdk.backends.fa3:FA3Backend"),
+        ("flashinfer", "attnsdk.backends.flashinfer:FlashInferBackend"),
+        ("flex", "attnsdk.backends.flex:FlexBackend"),
+    ):
+        _REGISTRY[name] = _Entry(name, target, None, None)
     _REGISTRY["routed"] = _Entry(
-        "routed",
-        "attnsdk.selection.routed:RoutedBackend",
-        0,
-        "attnsdk.selection.routed:RoutedOptions",
-        auto=False,
-    )
-    _REGISTRY["fa3"] = _Entry(
-        "fa3", "attnsdk.backends.fa3:FA3Backend", 100, "attnsdk.backends.fa3:FA3Options"
-    )
-    _REGISTRY["flashinfer"] = _Entry(
-        "flashinfer",
-        "attnsdk.backends.flashinfer:FlashInferBackend",
-        90,
-        "attnsdk.backends.flashinfer:FlashInferOptions",
-    )
-    # Below the reference: without a GPU "auto" keeps the reference (DESIGN §4), which needs no
-    # compiler; flex is asked for by name or through AutoOptions.candidates / routed.
-    _REGISTRY["flex"] = _Entry(
-        "flex", "attnsdk.backends.flex:FlexBackend", -10, "attnsdk.backends.flex:FlexOptions"
+        "routed", "attnsdk.selection.routed:RoutedBackend", None, None, auto=False
     )
 
 

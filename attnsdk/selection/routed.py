@@ -41,13 +41,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from attnsdk.backends.base import lse_reasons_of
-from attnsdk.contract.capabilities import Capabilities, Feature, step_capability_reasons
+from attnsdk.contract.capabilities import (
+    Capabilities,
+    Feature,
+    Request,
+    missing_features,
+    step_uses,
+)
 from attnsdk.contract.errors import InvalidInputError, Reason, ReasonKind, UnsupportedConfigError
 from attnsdk.contract.kv import KVCache, KVCacheLayout
 from attnsdk.contract.layer import LayerSpec
 from attnsdk.contract.metadata import check_metadata
 from attnsdk.contract.plan import Plan
+from attnsdk.selection.wrapper import BackendWrapper, ForwardCall, RaggedCall
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -123,15 +129,16 @@ def step_kind(meta: AttentionMetadata) -> str:
     return "mixed"
 
 
-class RoutedBackend:
+class RoutedBackend(BackendWrapper):
     """One backend per step kind; see the module docstring."""
 
-    name: ClassVar[str] = "routed"
+    name = "routed"
     priority: ClassVar[int] = 0
     """Unused: ``auto`` never picks a composite; it is asked for by name."""
     Options: ClassVar[type[BaseModel]] = RoutedOptions
     capabilities: Capabilities
-    """The decode route's capabilities (graph support included)."""
+    """The decode route's capabilities (graph support included), with the step features
+    ``STEP_FEATURES`` allows."""
 
     def __init__(self, options: RoutedOptions | None = None) -> None:
         if options is not None and not isinstance(options, RoutedOptions):
@@ -141,10 +148,8 @@ class RoutedBackend:
         self._passed_over: dict[str, dict[str, list[Reason]]] = {k: {} for k in KINDS}
         self.routes: dict[str, str] = {}
         """Step kind -> the backend name it runs on."""
-        self._served: set[tuple[LayerSpec, KVCacheLayout]] = set()
-        """(layer, layout) pairs every route serves, checked at their first forward."""
-        self._lse_served: set[tuple[LayerSpec, KVCacheLayout]] = set()
-        """(layer, layout) pairs whose ``lse=`` every route serves, checked at first use."""
+        self._served: set[tuple[LayerSpec, KVCacheLayout, bool]] = set()
+        """(layer, layout, lse asked) that every route serves, checked at their first forward."""
         self._choose(layers=(), layout=None, device=None)
 
     # -- class side (the registry asks before creating one) -------------------------------
@@ -152,34 +157,53 @@ class RoutedBackend:
     @classmethod
     def environment_reasons(cls, device: torch.device | str | None = None) -> list[Reason]:
         """Every route needs one candidate that can run here."""
-        return [r for r in cls.reasons_for(None, None, device) if r.kind is ReasonKind.ENVIRONMENT]
+        dev = None if device is None else torch.device(device)
+        return [r for r in cls.refusals(Request(device=dev)) if r.kind is ReasonKind.ENVIRONMENT]
 
     @classmethod
-    def reasons_for(
-        cls,
-        layer: LayerSpec | None = None,
-        layout: KVCacheLayout | None = None,
-        device: torch.device | str | None = None,
-        options: BaseModel | None = None,
-    ) -> list[Reason]:
+    def refusals(cls, request: Request) -> list[Reason]:
         """Empty when every route has a candidate serving the request; else, per route with
         none, every candidate's reasons (field ``<kind>.<backend>.<field>``)."""
-        routes = options if isinstance(options, RoutedOptions) else RoutedOptions()
-        return _route_reasons(routes, [layer] if layer else [], layout, device)[1]
+        routes = request.options if isinstance(request.options, RoutedOptions) else RoutedOptions()
+        layers = [request.layer] if request.layer is not None else []
+        found = _route_reasons(routes, layers, request.layout, request.device, request.uses)
+        return found[1]
+
+    # -- the BackendWrapper's view ----------------------------------------------------------
+
+    def members(self) -> list[Backend]:
+        return list({id(b): b for b in self._backends.values()}.values())
+
+    def inner_for(self, plan: Plan) -> tuple[Backend, Plan]:
+        if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
+            found = type(plan).__name__
+            raise InvalidInputError("plan", "a RoutedPlan from this backend's plan()", found)
+        return plan.backend, plan.inner
+
+    def graph_backend(self) -> Backend:
+        return self._backends["decode"]
 
     def unsupported_reasons(
         self,
         layer: LayerSpec | None = None,
         layout: KVCacheLayout | None = None,
         device: torch.device | str | None = None,
+        *,
+        uses: Iterable[Feature] = (),
+        dtype: torch.dtype | None = None,
     ) -> list[Reason]:
         """What the backends the routes hold now cannot serve (field ``<kind>.<field>``): a
-        step runs on its kind's backend, whatever other candidates could do. ``prepare`` with
+        step runs on its kind's backend, whatever other candidates could do, and each step
+        feature is asked of the routes it can land on (``STEP_FEATURES``). ``prepare`` with
         the model re-routes to candidates that serve every layer."""
-        found = set()
+        asked = frozenset(uses)
+        found: set[Reason] = set()
         for kind in KINDS:
-            for r in self._backends[kind].unsupported_reasons(layer, layout, device):
-                found.add(Reason(r.kind, f"{kind}.{r.field}", r.message))
+            mine = _kind_uses(kind, asked)
+            reasons = self._backends[kind].unsupported_reasons(
+                layer, layout, device, uses=mine, dtype=dtype
+            )
+            found.update(Reason(r.kind, f"{kind}.{r.field}", r.message) for r in reasons)
         return sorted(found)
 
     # -- once per model -------------------------------------------------------------------
@@ -191,18 +215,9 @@ class RoutedBackend:
         device: torch.device | str | None = None,
     ) -> None:
         """Route each kind to its first candidate serving every layer, then prepare it."""
-        layers = list(layers)
-        self._choose(layers, layout, device)
-        for backend in {id(b): b for b in self._backends.values()}.values():
-            prepare = getattr(backend, "prepare", None)
-            if prepare is not None:
-                prepare(layers, layout, device)
-
-    def warmup(self, device: torch.device | str | None = None) -> None:
-        for backend in {id(b): b for b in self._backends.values()}.values():
-            warmup = getattr(backend, "warmup", None)
-            if warmup is not None:
-                warmup(device)
+        listed = list(layers)
+        self._choose(listed, layout, device)
+        super().prepare(listed, layout, device)
 
     def explain(self) -> dict[str, dict[str, object]]:
         """Per step kind: the backend it runs on and why each earlier candidate was passed
@@ -240,134 +255,42 @@ class RoutedBackend:
 
     def plan(self, meta: AttentionMetadata) -> RoutedPlan:
         check_metadata(meta)
-        reasons = step_capability_reasons(self.capabilities, meta)
+        reasons = missing_features(self.capabilities, step_uses(meta))
         if reasons:
             raise UnsupportedConfigError("the routed backend cannot serve this step:", reasons)
         kind = step_kind(meta)
         backend = self._backends[kind]
         return RoutedPlan(meta, kind=kind, backend=backend, inner=backend.plan(meta))
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        cache: KVCache,
-        plan: Plan,
-        layer: LayerSpec,
-        *,
-        sinks: torch.Tensor | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
-            found = type(plan).__name__
-            raise InvalidInputError("plan", "a RoutedPlan from this backend's plan()", found)
-        typed = isinstance(layer, LayerSpec) and isinstance(cache, KVCache)
-        key = (layer, cache.layout) if typed else None  # else the route's checks name it
-        if key is not None and key not in self._served:
-            # Every route must serve the layer, not only this step's: a model whose prefill
-            # route cannot serve it fails at its first step, not at its first prefill.
-            reasons = self.unsupported_reasons(layer, cache.layout, cache.device)
-            if reasons:
-                raise UnsupportedConfigError(
-                    "the routed backend cannot run this layer on every route:", reasons
-                )
-            self._served.add(key)
-        if lse is not None and key is not None and key not in self._lse_served:
-            reasons = self.lse_reasons(layer, cache.layout, cache.device)
-            if reasons:
-                raise UnsupportedConfigError(
-                    "the routed backend cannot return the log-sum-exp (lse=) on every route:",
-                    reasons,
-                )
-            self._lse_served.add(key)
-        return plan.backend.forward(
-            q,
-            k,
-            v,
-            cache,
-            plan.inner,
-            layer,
-            sinks=sinks,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            out=out,
-            # only when asked for: a protocol backend written before lse= still serves a route
-            **({} if lse is None else {"lse": lse}),
-        )
+    def before_forward(self, call: ForwardCall) -> None:
+        """Every route must serve the layer (and ``lse=``, when asked), not only this step's:
+        a model whose prefill route cannot serve it fails at its first step, not at its first
+        prefill."""
+        layer, cache = call.layer, call.cache
+        if not (isinstance(layer, LayerSpec) and isinstance(cache, KVCache)):
+            return  # the route's own checks name it
+        key = (layer, cache.layout, call.lse is not None)
+        if key in self._served:
+            return
+        uses = (Feature.LSE,) if call.lse is not None else ()
+        reasons = self.unsupported_reasons(layer, cache.layout, cache.device, uses=uses)
+        if reasons:
+            raise UnsupportedConfigError(
+                "the routed backend cannot run this layer on every route:", reasons
+            )
+        self._served.add(key)
 
-    def forward_ragged(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan: Plan,
-        layer: LayerSpec,
-        *,
-        sinks: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``forward_ragged`` on the step's route (module docstring); refused, typed, when some
-        route's backend has no ragged attention."""
+    def before_ragged(self, call: RaggedCall) -> None:
+        """A ragged call runs on the step's route; refused, typed, when some route's backend
+        has no ragged attention (module docstring)."""
         lacking = self._lacking()[Feature.RAGGED]
         if lacking:
             raise UnsupportedConfigError(
                 "the routed backend cannot run forward_ragged on every route:",
                 [_lacks(kind, self.routes[kind], "ragged") for kind in lacking],
             )
-        if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
-            found = type(plan).__name__
-            raise InvalidInputError("plan", "a RoutedPlan from this backend's plan()", found)
-        ragged = plan.backend.forward_ragged  # type: ignore[attr-defined]
-        return ragged(q, k, v, plan.inner, layer, sinks=sinks, out=out, lse=lse)
-
-    def ragged_reasons(self, layer: LayerSpec, device: torch.device | str | None) -> list[Reason]:
-        """Why some route cannot run ``forward_ragged`` for ``layer`` (field ``<kind>.<field>``)."""
-        found = set()
-        for kind in KINDS:
-            backend = self._backends[kind]
-            if Feature.RAGGED not in backend.capabilities.features:
-                found.add(_lacks(kind, self.routes[kind], "ragged"))
-                continue
-            for r in backend.ragged_reasons(layer, device):  # type: ignore[attr-defined]
-                found.add(Reason(r.kind, f"{kind}.{r.field}", r.message))
-        return sorted(found)
-
-    def lse_reasons(
-        self, layer: LayerSpec, layout: KVCacheLayout, device: torch.device
-    ) -> list[Reason]:
-        """Why some route cannot fill ``lse=`` for ``layer`` (field ``<kind>.<field>``)."""
-        found = set()
-        for kind in KINDS:
-            for r in lse_reasons_of(self._backends[kind], layer, layout, device):
-                found.add(Reason(r.kind, f"{kind}.{r.field}", r.message))
-        return sorted(found)
-
-    def sync_check(self, device: torch.device) -> None:
-        """Raise now, with a device sync, what any route's KV store recorded (debug mode)."""
-        for backend in {id(b): b for b in self._backends.values()}.values():
-            check = getattr(backend, "sync_check", None)
-            if check is not None:
-                check(device)
 
     # -- CUDA graphs: the decode route's backend ------------------------------------------
-
-    def graph_state(
-        self,
-        max_batch: int,
-        max_tokens: int,
-        max_pages: int,
-        *,
-        page_size: int,
-        device: torch.device | str,
-    ) -> GraphBuffers:
-        return self._backends["decode"].graph_state(
-            max_batch, max_tokens, max_pages, page_size=page_size, device=device
-        )
 
     def plan_for_capture(
         self,
@@ -377,16 +300,9 @@ class RoutedBackend:
         *,
         max_query_len: int | None = None,
     ) -> Plan:
-        backend = self._backends["decode"]
+        backend = self.graph_backend()
         inner = backend.plan_for_capture(state, batch_size, num_tokens, max_query_len=max_query_len)
         return RoutedPlan(inner.metadata, inner.graph, kind="decode", backend=backend, inner=inner)
-
-    def plan_for_replay(self, plan: Plan, meta: AttentionMetadata) -> None:
-        if not isinstance(plan, RoutedPlan) or plan.backend is None or plan.inner is None:
-            raise InvalidInputError(
-                "plan", "a RoutedPlan made by plan_for_capture", type(plan).__name__
-            )
-        plan.backend.plan_for_replay(plan.inner, meta)
 
     # -- choosing ---------------------------------------------------------------------------
 
@@ -403,8 +319,7 @@ class RoutedBackend:
             )
         from attnsdk.selection.create import create_backend
 
-        created = {id(b): b for b in self._backends.values()}
-        by_name = {b.name: b for b in created.values()}
+        by_name = {b.name: b for b in self.members()}
         for kind in KINDS:
             name = chosen[kind]
             if name not in by_name:
@@ -413,7 +328,6 @@ class RoutedBackend:
         self.routes = dict(chosen)
         self._passed_over = passed
         self._served = set()
-        self._lse_served = set()
         # Graphs run on the decode route: its capabilities (graph support too) are ours, but a
         # step feature only where every route such a step can land on serves it.
         caps = self._backends["decode"].capabilities
@@ -421,6 +335,11 @@ class RoutedBackend:
         served = {f for f in STEP_FEATURES if f not in lacking}
         features = caps.features - set(STEP_FEATURES) | served
         self.capabilities = dataclasses.replace(caps, features=frozenset(features))
+
+
+def _kind_uses(kind: str, uses: frozenset[Feature]) -> frozenset[Feature]:
+    """The step features in ``uses`` that a step of ``kind`` can carry (``STEP_FEATURES``)."""
+    return frozenset(f for f in uses if kind in STEP_FEATURES.get(f, KINDS))
 
 
 def _lacks(kind: str, backend: str, feature: str) -> Reason:
@@ -436,9 +355,11 @@ def _route_reasons(
     layers: list[LayerSpec],
     layout: KVCacheLayout | None,
     device: torch.device | str | None,
+    uses: frozenset[Feature] = frozenset(),
 ) -> tuple[dict[str, str], list[Reason], dict[str, dict[str, list[Reason]]]]:
-    """Per kind: the first candidate that serves every layer, the reasons of kinds with none,
-    and the reasons each earlier candidate was passed over."""
+    """Per kind: the first candidate that serves every layer (and the step features in
+    ``uses`` that kind's steps carry), the reasons of kinds with none, and the reasons each
+    earlier candidate was passed over."""
     from attnsdk.selection.create import explain
     from attnsdk.selection.registry import backend_names
 
@@ -446,22 +367,23 @@ def _route_reasons(
     chosen: dict[str, str] = {}
     failed: list[Reason] = []
     passed: dict[str, dict[str, list[Reason]]] = {}
-    cache: dict[str, list[Reason]] = {}
+    cache: dict[tuple[str, frozenset[Feature]], list[Reason]] = {}
     for kind in KINDS:
         passed[kind] = {}
+        mine = _kind_uses(kind, uses)
         for name in getattr(options, kind):
-            if name not in cache:
+            if (name, mine) not in cache:
                 found: set[Reason] = set()
                 if name not in known:  # a default candidate this installation lacks
                     found.add(Reason(ReasonKind.ENVIRONMENT, "backend", "is not registered"))
                 asks: list[LayerSpec | None] = list(layers) or [None]
                 for layer in asks if not found else []:
-                    found.update(explain(name, layer, layout, device)[name])
-                cache[name] = sorted(found)
-            if not cache[name]:
+                    found.update(explain(name, layer, layout, device, uses=mine)[name])
+                cache[(name, mine)] = sorted(found)
+            if not cache[(name, mine)]:
                 chosen[kind] = name
                 break
-            passed[kind][name] = cache[name]
+            passed[kind][name] = cache[(name, mine)]
         else:
             failed += [
                 Reason(r.kind, f"{kind}.{name}.{r.field}", r.message)

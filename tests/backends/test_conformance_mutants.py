@@ -26,7 +26,8 @@ from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing.conformance import BackendConformance, CaseResult, run_conformance
 
 if TYPE_CHECKING:
-    from attnsdk import KVCache, LayerSpec, Plan
+    from attnsdk import LayerSpec
+    from attnsdk.backends.base import AttendArgs, RaggedArgs
 
 
 class Mutant(ReferenceBackend):
@@ -140,11 +141,10 @@ class CrossAsCausal(Mutant):
     name = "mutant-cross-causal"
     caught_by = ("test_cross_attention",)
 
-    def attend(self, q: torch.Tensor, cache: KVCache, plan: Plan, layer: LayerSpec,
-               *args: Any, **kw: Any) -> torch.Tensor:  # fmt: skip
-        if plan.metadata.cross_attention:
-            layer = dataclasses.replace(layer, causal=True)
-        return super().attend(q, cache, plan, layer, *args, **kw)
+    def attend(self, call: AttendArgs) -> torch.Tensor:
+        if call.plan.metadata.cross_attention:
+            call = dataclasses.replace(call, layer=dataclasses.replace(call.layer, causal=True))
+        return super().attend(call)
 
 
 class RaggedCrossAsCausal(Mutant):
@@ -154,11 +154,10 @@ class RaggedCrossAsCausal(Mutant):
     name = "mutant-ragged-cross-causal"
     caught_by = ("test_ragged",)
 
-    def attend_ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
-                      layer: LayerSpec, *args: Any, **kw: Any) -> torch.Tensor:  # fmt: skip
-        if plan.metadata.cross_attention:
-            layer = dataclasses.replace(layer, causal=True)
-        return super().attend_ragged(q, k, v, plan, layer, *args, **kw)
+    def attend_ragged(self, call: RaggedArgs) -> torch.Tensor:
+        if call.plan.metadata.cross_attention:
+            call = dataclasses.replace(call, layer=dataclasses.replace(call.layer, causal=True))
+        return super().attend_ragged(call)
 
 
 class MlaValueFromTheTail(Mutant):
@@ -168,11 +167,11 @@ class MlaValueFromTheTail(Mutant):
     name = "mutant-mla-wrong-v"
     caught_by = ("test_tree_verify", "test_mla")
 
-    def attend(self, q: torch.Tensor, cache: KVCache, plan: Plan, layer: LayerSpec,
-               *args: Any, **kw: Any) -> torch.Tensor:  # fmt: skip
+    def attend(self, call: AttendArgs) -> torch.Tensor:
+        cache = call.cache
         if cache.layout.mla:
-            cache = dataclasses.replace(cache, v=cache.k[..., -layer.v_dim :])
-        return super().attend(q, cache, plan, layer, *args, **kw)
+            cache = dataclasses.replace(cache, v=cache.k[..., -call.layer.v_dim :])
+        return super().attend(dataclasses.replace(call, cache=cache))
 
 
 class SinksTwice(Mutant):
@@ -192,8 +191,8 @@ class OutIgnored(Mutant):
     name = "mutant-out-ignored"
     caught_by = ("test_out_is_honoured",)
 
-    def attend(self, *args: Any, out: torch.Tensor, **kw: Any) -> torch.Tensor:
-        return super().attend(*args, out=torch.empty_like(out), **kw)
+    def attend(self, call: AttendArgs) -> torch.Tensor:
+        return super().attend(dataclasses.replace(call, out=torch.empty_like(call.out)))
 
 
 class RaggedOutIgnored(Mutant):
@@ -202,8 +201,8 @@ class RaggedOutIgnored(Mutant):
     name = "mutant-ragged-out-ignored"
     caught_by = ("test_ragged",)
 
-    def attend_ragged(self, *args: Any, out: torch.Tensor, **kw: Any) -> torch.Tensor:
-        return super().attend_ragged(*args, out=torch.empty_like(out), **kw)
+    def attend_ragged(self, call: RaggedArgs) -> torch.Tensor:
+        return super().attend_ragged(dataclasses.replace(call, out=torch.empty_like(call.out)))
 
 
 class GqaHeadsModulo(Mutant):
@@ -255,10 +254,9 @@ class KeylessRowsUntouched(Mutant):
     name = "mutant-keyless-rows-untouched"
     caught_by = ("test_cross_attention",)
 
-    def attend(self, q: torch.Tensor, cache: KVCache, plan: Plan, layer: LayerSpec,
-               *args: Any, out: torch.Tensor, **kw: Any) -> torch.Tensor:  # fmt: skip
-        before = out.clone()
-        result = super().attend(q, cache, plan, layer, *args, out=out, **kw)
+    def attend(self, call: AttendArgs) -> torch.Tensor:
+        before, plan = call.out.clone(), call.plan
+        result = super().attend(call)
         qsl = plan.metadata.query_start_loc_cpu.tolist()
         for b, seq_len in enumerate(plan.metadata.seq_lens_cpu.tolist()):
             if seq_len == 0:

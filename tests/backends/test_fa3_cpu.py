@@ -70,7 +70,7 @@ def test_environment_reasons_on_wrong_gpu(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_environment_reasons_on_hopper_with_library(hopper: None) -> None:
     assert FA3Backend.environment_reasons("cuda") == []
-    assert FA3Backend.reasons_for(LAYER, LAYOUT, "cuda") == []
+    assert FA3Backend.refusals(A.Request(LAYER, LAYOUT, torch.device("cuda"))) == []
 
 
 def test_create_backend_on_cpu_raises_environment_reasons(no_gpu: None) -> None:
@@ -131,7 +131,7 @@ def test_provider_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_configuration_reasons(
     hopper: None, layer: A.LayerSpec, layout: A.KVCacheLayout, field: str
 ) -> None:
-    reasons = FA3Backend.reasons_for(layer, layout, "cuda")
+    reasons = FA3Backend.refusals(A.Request(layer, layout, torch.device("cuda")))
     assert field in {r.field for r in reasons}
     assert all(r.kind is A.ReasonKind.CONFIGURATION for r in reasons)
 
@@ -139,7 +139,7 @@ def test_configuration_reasons(
 def test_every_reason_is_returned(hopper: None) -> None:
     layer = A.LayerSpec(4, 4, 512)
     layout = A.KVCacheLayout(4, 512, 16, dtype=torch.float32)
-    reasons = FA3Backend.reasons_for(layer, layout, "cuda")
+    reasons = FA3Backend.refusals(A.Request(layer, layout, torch.device("cuda")))
     assert {"dtype", "head_dim", "v_head_dim"} <= {r.field for r in reasons}
     assert reasons == sorted(reasons)
 
@@ -148,7 +148,10 @@ def test_build_flags_become_reasons(hopper: None, monkeypatch: pytest.MonkeyPatc
     flags = {"FLASHATTENTION_DISABLE_SOFTCAP": True, "FLASHATTENTION_DISABLE_HDIM256": True}
     monkeypatch.setattr(fa3, "build_flags", lambda: flags)
     layer = A.LayerSpec(4, 4, 256, softcap=30.0)
-    fields = {r.field: r.message for r in FA3Backend.reasons_for(layer, None, "cuda")}
+    fields = {
+        r.field: r.message
+        for r in FA3Backend.refusals(A.Request(layer, None, torch.device("cuda")))
+    }
     assert "not compiled" in fields["softcap"]
     assert "<= 192" in fields["head_dim"]
 
@@ -157,7 +160,7 @@ def test_hnd_and_page_sizes_are_supported(hopper: None) -> None:
     for page in (1, 16, 64, 256):
         for order in ("NHD", "HND"):
             layout = A.KVCacheLayout(2, 128, page, order=order)
-            assert FA3Backend.reasons_for(LAYER, layout, "cuda") == []
+            assert FA3Backend.refusals(A.Request(LAYER, layout, torch.device("cuda"))) == []
 
 
 def test_options_validation() -> None:

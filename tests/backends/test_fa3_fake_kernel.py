@@ -16,6 +16,7 @@ from fake_fa3 import CPUFA3, FakeKernel, fake_fa3
 
 import attnsdk as A
 from attnsdk.backends.fa3 import backend as fa3
+from attnsdk.backends.fa3 import planner as fa3_planner
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
 
@@ -73,13 +74,13 @@ def test_chunked_layers_run_the_virtual_batch_made_once_per_step(
 ) -> None:
     """Two chunk sizes among eight layers: two virtual batches per step, made in plan()."""
     made: list[int] = []
-    real = fa3.virtual_metadata
+    real = fa3_planner.virtual_metadata
 
     def counted(meta: A.AttentionMetadata, chunk: int, page_size: int) -> A.AttentionMetadata:
         made.append(chunk)
         return real(meta, chunk, page_size)
 
-    monkeypatch.setattr(fa3, "virtual_metadata", counted)
+    monkeypatch.setattr(fa3_planner, "virtual_metadata", counted)
     plain, layout = layer_and_layout()
     c32 = dataclasses.replace(plain, attention_chunk_size=32)
     c64 = dataclasses.replace(plain, attention_chunk_size=64)
@@ -95,16 +96,17 @@ def test_chunked_layers_run_the_virtual_batch_made_once_per_step(
     assert sorted(made) == [32, 64], "a layer rebuilt the virtual batch"
     # The first sequence (positions 30..99) spans chunks 0..3 of 32 and 0..1 of 64.
     assert kernel.batch_sizes == [5, 5, 3, 2] * 2
-    # A chunked layer nobody prepared builds it at its first forward, once per plan.
+    # A chunked layer nobody prepared is served too, building its batch at each call: the
+    # plan holds what make_plan made for the declared model, nothing filled in later.
     c48 = dataclasses.replace(plain, attention_chunk_size=48)
     for _ in range(3):
         backend.forward(batch.q, None, None, cache, plan, c48)
-    assert sorted(made) == [32, 48, 64]
+    assert sorted(made) == [32, 48, 48, 48, 64]
 
 
 def test_a_chunk_size_not_a_multiple_of_the_page_size_is_refused(kernel: FakeKernel) -> None:
     layer, layout = layer_and_layout(attention_chunk_size=24)
-    reasons = CPUFA3.reasons_for(layer, layout, "cpu")
+    reasons = CPUFA3.refusals(A.Request(layer, layout, torch.device("cpu")))
     assert [r.field for r in reasons] == ["attention_chunk_size"]
     batch = make_batch(BatchSpec((3,), (30,)), layer, layout)
     cache = batch.fresh_cache()
@@ -149,13 +151,13 @@ def test_ragged_pads_v_on_a_build_without_the_192_128_kernels(
 ) -> None:
     """DeepSeek's expanded prefill (192 / 128) on an FA3 build with HDIMDIFF192 off (ours on
     the H200): V goes to the hdim-192 kernel zero-padded, and the output is the reference's."""
-    from attnsdk.testing._conformance_cases import ragged_step
+    from attnsdk.testing.conformance._ragged import ragged_step
 
     monkeypatch.setattr(fa3, "build_flags", lambda: {"FLASH_ATTENTION_DISABLE_HDIMDIFF192": True})
     layer = A.LayerSpec(num_heads=4, num_kv_heads=4, head_dim=192, v_head_dim=128)
     layer = dataclasses.replace(layer, causal=kind != "prefix")
     backend = CPUFA3()
-    assert backend.ragged_reasons(layer, "cpu") == []
+    assert backend.unsupported_reasons(layer, None, "cpu", uses=(A.Feature.RAGGED,)) == []
     layout = A.KVCacheLayout(4, 192, 16, v_head_dim=128, dtype=torch.bfloat16)
     assert [r.field for r in backend.unsupported_reasons(layer, layout)] == ["v_head_dim"]
     for seed in range(4):

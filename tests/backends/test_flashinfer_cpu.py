@@ -32,6 +32,8 @@ from attnsdk.backends.flashinfer import (
     gather_indices,
 )
 from attnsdk.backends.flashinfer import backend as fi_module
+from attnsdk.backends.flashinfer import planner as fi_planner
+from attnsdk.backends.flashinfer import refusals as fi_refusals
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import BatchSpec, assert_close_to_reference, make_batch
 
@@ -83,7 +85,7 @@ def test_environment_reasons_by_compute_capability(monkeypatch: pytest.MonkeyPat
     assert "must be >= 8.0, found 7.5" in reasons[0].message
     for cc in ((8, 0), (9, 0), (10, 0), (12, 0)):
         monkeypatch.setattr(caps_module, "compute_capability", lambda device=None, cc=cc: cc)
-        assert FlashInferBackend.reasons_for(LAYER, LAYOUT, "cuda") == []
+        assert FlashInferBackend.refusals(A.Request(LAYER, LAYOUT, torch.device("cuda"))) == []
 
 
 def test_create_without_the_library_names_the_install_command(
@@ -125,7 +127,7 @@ def test_configuration_reasons(
 ) -> None:
     monkeypatch.setattr(fi_module, "module_present", lambda name: True)
     monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: (9, 0))
-    reasons = FlashInferBackend.reasons_for(layer, layout, "cuda")
+    reasons = FlashInferBackend.refusals(A.Request(layer, layout, torch.device("cuda")))
     assert field in {r.field for r in reasons}, reasons
     assert all(r.kind is A.ReasonKind.CONFIGURATION for r in reasons)
 
@@ -146,7 +148,7 @@ def test_served_configurations(
 ) -> None:
     monkeypatch.setattr(fi_module, "module_present", lambda name: True)
     monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: (9, 0))
-    assert FlashInferBackend.reasons_for(layer, layout, "cuda") == []
+    assert FlashInferBackend.refusals(A.Request(layer, layout, torch.device("cuda"))) == []
 
 
 def test_options_validation() -> None:
@@ -685,13 +687,13 @@ def test_chunked_variants_plan_their_virtual_batch_once_per_step(
     """Full and chunked layers: one plan() per variant and one virtual batch per chunk size
     per step, none per layer; each chunked layer reads its own CSR."""
     made: list[int] = []
-    real = fi_module.virtual_metadata
+    real = fi_planner.virtual_metadata
 
     def counted(meta: A.AttentionMetadata, chunk: int, page_size: int) -> A.AttentionMetadata:
         made.append(chunk)
         return real(meta, chunk, page_size)
 
-    monkeypatch.setattr(fi_module, "virtual_metadata", counted)
+    monkeypatch.setattr(fi_planner, "virtual_metadata", counted)
     full, layout, _ = _layer_layout("gqa-p16")
     c32 = dataclasses.replace(full, attention_chunk_size=32)
     c64 = dataclasses.replace(full, attention_chunk_size=64)
@@ -821,7 +823,7 @@ def test_variants_of_another_page_size_are_not_planned(fake: CPUFlashInfer) -> N
 def test_ragged_steps_plan_once_per_variant_and_nothing_paged(fake: CPUFlashInfer) -> None:
     """``forward_ragged``: one ragged plan() per step and variant, however many layers run,
     none before the first call, and no paged wrapper for a ragged step."""
-    from attnsdk.testing._conformance_cases import ragged_step
+    from attnsdk.testing.conformance._ragged import ragged_step
 
     layer = A.LayerSpec(num_heads=4, num_kv_heads=4, head_dim=192, v_head_dim=128)
     step = ragged_step(layer, "extend", 0, torch.bfloat16)
@@ -888,9 +890,7 @@ def test_more_live_ragged_plans_than_the_pool_replan_correctly(
     fake: CPUFlashInfer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the pool's size a plan's wrapper is taken over; the plan re-plans, never misreads."""
-    import attnsdk.backends.flashinfer.backend as fi
-
-    monkeypatch.setattr(fi, "_RAGGED_POOL", 2)
+    monkeypatch.setattr(fi_planner, "_RAGGED_POOL", 2)
     layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=192, v_head_dim=128, causal=False)
     steps = _prefix_chunks(layer, 3)
     plans = [fake.plan(meta) for meta, *_ in steps]
@@ -911,9 +911,12 @@ def test_fp8_mla_is_served_on_hopper_with_bf16_queries(monkeypatch: pytest.Monke
 
     def reasons(cc: tuple[int, int], dtype: torch.dtype, kv: torch.dtype) -> set[str]:
         monkeypatch.setattr(caps_module, "compute_capability", lambda device=None: cc)
-        monkeypatch.setattr(fi_module, "compute_capability", lambda device=None: cc)
+        monkeypatch.setattr(fi_refusals, "compute_capability", lambda device=None: cc)
         layout = A.KVCacheLayout.for_mla(64, dtype=dtype, kv_dtype=kv)
-        return {r.field for r in FlashInferBackend.reasons_for(layer, layout, "cuda")}
+        return {
+            r.field
+            for r in FlashInferBackend.refusals(A.Request(layer, layout, torch.device("cuda")))
+        }
 
     e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
     assert reasons((9, 0), bf16, e4m3) == set()

@@ -13,7 +13,7 @@ from oracle import Semantics, visible
 
 import attnsdk as A
 from attnsdk.backends.flex import FlexBackend, FlexOptions
-from attnsdk.backends.flex.backend import _build_mask
+from attnsdk.backends.flex.mask import build_mask
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import Batch, BatchSpec, assert_close_to_reference, make_batch
 
@@ -134,7 +134,7 @@ def test_block_mask_lists_every_page_a_block_may_see(layer_kw: dict[str, Any]) -
     batch = make_batch(spec, layer, layout, seed=7)
     meta = batch.metadata
     n = batch.cache.num_pages
-    mask = _build_mask(meta, state, n, meta.num_tokens, None)
+    mask = build_mask(meta, state, n, meta.num_tokens, None)
     p = layout.page_size
     for b, (q, length) in enumerate(zip(spec.query_lens, spec.seq_lens)):
         pos = torch.arange(length - q, length)
@@ -226,10 +226,10 @@ def test_compiled_cpu_refuses_lse_before_anything_is_written() -> None:
     layer, layout = layer_and_layout()
     compiled = FlexBackend(FlexOptions(compile=True))
     cpu = torch.device("cpu")
-    reasons = compiled.lse_reasons(layer, layout, cpu)
+    reasons = compiled.unsupported_reasons(layer, layout, cpu, uses=(A.Feature.LSE,))
     assert [r.field for r in reasons] == ["lse"]
     assert "compile=False" in reasons[0].message
-    assert eager.lse_reasons(layer, layout, cpu) == []
+    assert eager.unsupported_reasons(layer, layout, cpu, uses=(A.Feature.LSE,)) == []
     batch = make_batch(BatchSpec.mixed(seed=2), layer, layout, seed=2)
     k, v = batch.cache.k.clone(), batch.cache.v.clone()
     with pytest.raises(A.UnsupportedConfigError, match="compile=False"):

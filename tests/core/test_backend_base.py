@@ -31,10 +31,11 @@ class Dense(A.BackendBase):
         self.calls: list[str] = []
 
     @classmethod
-    def extra_reasons(cls, layer, layout):  # type: ignore[no-untyped-def]
-        if layer is not None and layer.head_dim == 48:
-            return [A.Reason(A.ReasonKind.CONFIGURATION, "head_dim", "48 is unlucky")]
-        return []
+    def refusals(cls, request: A.Request) -> list[A.Reason]:
+        reasons = super().refusals(request)
+        if request.layer is not None and request.layer.head_dim == 48:
+            reasons.append(A.Reason(A.ReasonKind.CONFIGURATION, "head_dim", "48 is unlucky"))
+        return sorted(reasons)
 
     def layer_state(self, layer: A.LayerSpec, layout: A.KVCacheLayout) -> float:
         self.calls.append("layer_state")
@@ -44,8 +45,9 @@ class Dense(A.BackendBase):
         self.calls.append("make_plan")
         return super().make_plan(meta)
 
-    def attend(self, q, cache, plan, layer, state, *, sinks, k_scale, v_scale, out, lse):  # type: ignore[no-untyped-def]
-        meta, p = plan.metadata, cache.layout.page_size
+    def attend(self, call):  # type: ignore[no-untyped-def]
+        q, cache, plan, layer, state = call.q, call.cache, call.plan, call.layer, call.state
+        meta, p, out = plan.metadata, cache.layout.page_size, call.out
         qsl, lens = meta.query_start_loc_cpu.tolist(), meta.seq_lens_cpu.tolist()
         for b, length in enumerate(lens):
             q0, q1 = qsl[b], qsl[b + 1]
@@ -73,7 +75,7 @@ def test_a_small_subclass_is_a_whole_backend() -> None:
 
 def test_reasons_join_capabilities_environment_and_the_hook() -> None:
     layer = A.LayerSpec(num_heads=4, num_kv_heads=4, head_dim=48, softcap=5.0)
-    fields = [r.field for r in Dense.reasons_for(layer, None, "cuda")]
+    fields = [r.field for r in Dense.refusals(A.Request(layer, device=torch.device("cuda")))]
     assert fields == ["device", "head_dim", "softcap"]
     assert Dense().unsupported_reasons(GQA, LAYOUT, "cpu") == []
     # The registry asks the class, without creating it.
@@ -100,7 +102,8 @@ def test_forward_refuses_lse_without_the_feature_before_writing() -> None:
     """Dense does not declare Feature.LSE: lse= is refused, naming it, and nothing is written."""
     batch = make_batch(BatchSpec(query_lens=(2, 1), seq_lens=(5, 3)), GQA, LAYOUT, seed=2)
     dense = Dense()
-    assert [r.field for r in dense.lse_reasons(GQA, LAYOUT, torch.device("cpu"))] == ["lse"]
+    reasons = dense.unsupported_reasons(GQA, LAYOUT, "cpu", uses=(A.Feature.LSE,))
+    assert [r.field for r in reasons] == ["lse"]
     k, v = batch.cache.k.clone(), batch.cache.v.clone()
     with pytest.raises(A.UnsupportedConfigError, match=r"log-sum-exp \(lse=\)") as info:
         batch.run_with_lse(dense, batch.cache)
@@ -117,7 +120,7 @@ def test_a_chunked_layer_is_refused_by_its_field_before_writing() -> None:
     ``LayerSpec`` field an integrator sets (not the feature's value)."""
     batch = make_batch(BatchSpec(query_lens=(6,), seq_lens=(9,)), GQA, LAYOUT, seed=3)
     layer = A.LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, attention_chunk_size=4)
-    reasons = Dense.reasons_for(layer, LAYOUT, "cpu")
+    reasons = Dense.refusals(A.Request(layer, LAYOUT, torch.device("cpu")))
     assert [str(r) for r in reasons] == [
         "configuration: attention_chunk_size is not supported by this backend"
     ]
@@ -210,16 +213,19 @@ class Strict(Dense):
         self.calls = []
 
     @classmethod
-    def option_reasons(cls, options, layer, layout, device):  # type: ignore[no-untyped-def]
-        if options.no_gqa and layer is not None and layer.group_size > 1:
-            return [A.Reason(A.ReasonKind.CONFIGURATION, "num_heads", "no GQA with no_gqa")]
-        return []
+    def refusals(cls, request: A.Request) -> list[A.Reason]:
+        reasons = super().refusals(request)
+        layer = request.layer
+        if cls.options_of(request).no_gqa and layer is not None and layer.group_size > 1:
+            reasons.append(A.Reason(A.ReasonKind.CONFIGURATION, "num_heads", "no GQA with no_gqa"))
+        return sorted(reasons)
 
 
-def test_option_reasons_follow_the_options_everywhere() -> None:
+def test_refusals_follow_the_options_everywhere() -> None:
     lenient = StrictOptions(no_gqa=False)
-    assert [r.field for r in Strict.reasons_for(GQA, LAYOUT, "cpu")] == ["num_heads"]
-    assert Strict.reasons_for(GQA, LAYOUT, "cpu", lenient) == []
+    cpu = torch.device("cpu")
+    assert [r.field for r in Strict.refusals(A.Request(GQA, LAYOUT, cpu))] == ["num_heads"]
+    assert Strict.refusals(A.Request(GQA, LAYOUT, cpu, lenient)) == []
     assert [r.field for r in Strict().unsupported_reasons(GQA, LAYOUT, "cpu")] == ["num_heads"]
     assert Strict(lenient).unsupported_reasons(GQA, LAYOUT, "cpu") == []
     registration = A.register_backend("strict-test", Strict, priority=1000)

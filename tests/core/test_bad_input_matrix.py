@@ -1733,8 +1733,9 @@ def test_debug_mode_checks_the_lse_a_backend_wrote(value: float, refused: bool) 
     """-inf is a valid log-sum-exp (a row that sees no key and no sink); NaN and +inf are not."""
 
     class Faulty(ReferenceBackend):
-        def attend(self, *args: Any, lse: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
-            out = super().attend(*args, lse=lse, **kwargs)
+        def attend(self, call: Any) -> torch.Tensor:
+            out = super().attend(call)
+            lse = call.lse
             if lse is not None:
                 lse[T - 1, 1] = value
             return out

@@ -579,8 +579,8 @@ def test_bench_reports_a_wrong_backend(
     """A backend whose output differs from the reference fails the run (exit status 1)."""
 
     class Wrong(ReferenceBackend):
-        def attend(self, q: Any, cache: Any, plan: Any, *args: Any, out: Any, **kw: Any) -> Any:
-            return out.zero_()
+        def attend(self, call: Any) -> Any:
+            return call.out.zero_()
 
     handle = A.register_backend("wrong", Wrong, priority=-1)
     try:

@@ -57,10 +57,10 @@ def test_minus_inf_sinks_are_served_exactly_ragged() -> None:
 
 
 def encoder_only_step(query_lens: list[int]) -> tuple[AttentionMetadata, A.KVCache, torch.Tensor]:
-    """vLLM's encoder-only attention as the drop-in runs it (attnsdk/adapters/vllm/_impl.py,
-    ``_encoder``): the step's own k / v as a page-size-1 cache, token t on page t (so the first
-    sequence starts on page 0), sequence b's page table row ``query_start_loc[b] + arange``,
-    nothing written."""
+    """Encoder-only attention served on a paged backend (as the vLLM drop-in did before it ran
+    encoder layers through ``forward_ragged``): the step's own k / v as a page-size-1 cache,
+    token t on page t (so the first sequence starts on page 0), sequence b's page table row
+    ``query_start_loc[b] + arange``, nothing written."""
     gen = torch.Generator().manual_seed(3)
     n = sum(query_lens)
     k, v = torch.randn(n, 2, 16, generator=gen), torch.randn(n, 2, 16, generator=gen)

@@ -121,13 +121,13 @@ def test_capabilities_name_the_feature_the_pair_and_the_mismatch() -> None:
     layer, layout = small()
     caps = A.create_backend("reference").capabilities
     no_mla = A.Capabilities(**{**_fields(caps), "features": caps.features - {Feature.MLA}})
-    reasons = capability_reasons(no_mla, layer, layout)
+    reasons = capability_reasons(no_mla, A.Request(layer, layout))
     assert [(r.field, r.message) for r in reasons] == [("mla", "is not supported by this backend")]
     only_deepseek = A.Capabilities(**{**_fields(caps), "mla_dims": frozenset({(512, 64)})})
-    (reason,) = capability_reasons(only_deepseek, layer, layout)
+    (reason,) = capability_reasons(only_deepseek, A.Request(layer, layout))
     assert "must be one of [(512, 64)], found (32, 16)" in reason.message
     plain_layout = A.KVCacheLayout(1, RANK + ROPE, 16, v_head_dim=RANK, dtype=torch.float32)
-    (reason,) = capability_reasons(caps, layer, plain_layout)
+    (reason,) = capability_reasons(caps, A.Request(layer, plain_layout))
     assert reason.message == "layer has True but the KV layout has False"
 
 
@@ -215,7 +215,7 @@ def test_fp8_latent_is_read_with_k_scale() -> None:
 def test_flashinfer_and_fa3_take_deepseeks_dims_flex_small_ones() -> None:
     layer, layout = small()
     for cls in (FA3Backend, FlashInferBackend):
-        reasons = cls.reasons_for(layer, layout)
+        reasons = cls.refusals(A.Request(layer, layout))
         assert any("must be one of [(512, 64)]" in r.message for r in reasons), reasons
     flex = A.create_backend("flex", device="cpu")
     with pytest.raises(UnsupportedConfigError, match="head_dim must be <= 256"):

@@ -40,6 +40,7 @@ PUBLIC = [
     "Reason",
     "ReasonKind",
     "Registration",
+    "Request",
     "UnsupportedConfigError",
     "backend_names",
     "create_backend",

@@ -14,7 +14,7 @@ import attnsdk as A
 from attnsdk.backends.flex import FlexBackend, FlexOptions
 from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import assert_close_to_reference
-from attnsdk.testing._conformance_cases import ragged_step
+from attnsdk.testing.conformance._ragged import ragged_step
 
 reference = ReferenceBackend()
 # DeepSeek V3's expanded prefill per GPU of 8: 16 heads, q/k 128 nope + 64 rope, v 128.
@@ -246,9 +246,14 @@ def test_refusals_carry_every_reason() -> None:
         reference.forward_ragged(q, k, v, reference.plan(meta), LAYERS["gqa"])
     assert [r.field for r in err.value.reasons] == ["causal"]  # cross: every key is seen
     mla = A.LayerSpec.for_mla(16, kv_lora_rank=64, rope_dim=16)
-    assert [r.field for r in reference.ragged_reasons(mla, "cpu")] == ["mla"]
+    assert [
+        r.field for r in reference.unsupported_reasons(mla, None, "cpu", uses=(A.Feature.RAGGED,))
+    ] == ["mla"]
     flex = FlexBackend(FlexOptions(compile=False))
-    assert [r.field for r in flex.ragged_reasons(LAYERS["gqa"], "cpu")] == ["ragged"]
+    assert [
+        r.field
+        for r in flex.unsupported_reasons(LAYERS["gqa"], None, "cpu", uses=(A.Feature.RAGGED,))
+    ] == ["ragged"]
     assert A.Feature.RAGGED not in flex.capabilities.features
     meta = A.AttentionMetadata.for_ragged([2], [2])
     q, k, v, _ = _inputs(LAYERS["gqa"], meta, torch.float32, 0)
@@ -293,18 +298,22 @@ def test_debug_mode_validates_ragged_calls() -> None:
 
 
 def test_debug_mode_refuses_ragged_on_a_backend_without_it() -> None:
+    """A backend without ``Feature.RAGGED`` (its ``forward_ragged`` is BackendBase's default)
+    refuses a ragged call, typed and named, through debug mode as without it."""
     from attnsdk.selection.debug import DebugBackend
 
-    class Paged:
+    class Paged(ReferenceBackend):
         name = "paged-only"
-        capabilities = reference.capabilities
-
-    with pytest.raises(A.UnsupportedConfigError, match="no forward_ragged"):
-        DebugBackend(Paged()).forward_ragged(  # type: ignore[arg-type]
-            *_inputs(PREFIX, A.AttentionMetadata.for_ragged([1], [1]), torch.float32, 0)[:3],
-            reference.plan(A.AttentionMetadata.for_ragged([1], [1])),
-            PREFIX,
+        capabilities = dataclasses.replace(
+            reference.capabilities, features=reference.capabilities.features - {A.Feature.RAGGED}
         )
+
+    meta = A.AttentionMetadata.for_ragged([1], [1])
+    q, k, v = _inputs(PREFIX, meta, torch.float32, 0)[:3]
+    for backend in (Paged(), DebugBackend(Paged())):
+        with pytest.raises(A.UnsupportedConfigError, match="forward_ragged") as info:
+            backend.forward_ragged(q, k, v, backend.plan(meta), PREFIX)
+        assert [r.field for r in info.value.reasons] == ["ragged"]
 
 
 def test_host_facts_are_read_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,11 +76,17 @@ def make_backend(
             return list(env or [])
 
         def unsupported_reasons(
-            self, layer: Any = None, layout: Any = None, device: Any = None
+            self,
+            layer: Any = None,
+            layout: Any = None,
+            device: Any = None,
+            *,
+            uses: Any = (),
+            dtype: Any = None,
         ) -> list[A.Reason]:
-            return self.environment_reasons(device) + capability_reasons(
-                self.capabilities, layer, layout, "cpu"
-            )
+            cpu = torch.device("cpu")
+            request = A.Request(layer, layout, cpu, uses=frozenset(uses), dtype=dtype)
+            return self.environment_reasons(device) + capability_reasons(self.capabilities, request)
 
     Fake.__name__ = Fake.__qualname__ = f"Fake_{name}"
     return Fake

@@ -343,7 +343,7 @@ def test_forward_ragged_runs_on_the_step_s_route_when_every_route_has_it(
 ) -> None:
     backend = routed_over_three()
     assert A.Feature.RAGGED in backend.capabilities.features
-    assert backend.ragged_reasons(PLAIN, "cpu") == []
+    assert backend.unsupported_reasons(PLAIN, None, "cpu", uses=(A.Feature.RAGGED,)) == []
     torch.manual_seed(0)
     meta = A.AttentionMetadata.for_ragged([3, 2], [3, 2])
     q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
@@ -358,7 +358,9 @@ def test_forward_ragged_runs_on_the_step_s_route_when_every_route_has_it(
 def test_forward_ragged_one_route_lacks_is_refused_typed(no_trees_on_decode: None) -> None:
     backend = _routed("dec", "mix", "mix")
     assert A.Feature.RAGGED not in backend.capabilities.features
-    assert [r.field for r in backend.ragged_reasons(PLAIN, "cpu")] == ["decode.ragged"]
+    assert [
+        r.field for r in backend.unsupported_reasons(PLAIN, None, "cpu", uses=(A.Feature.RAGGED,))
+    ] == ["decode.ragged"]
     meta = A.AttentionMetadata.for_ragged([3], [3])
     q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
     out = torch.full((3, 4, 16), 7.0)

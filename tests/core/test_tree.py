@@ -174,8 +174,8 @@ def test_fa3_tree_passes_get_scheduler_metadata_once_per_plan(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With FA3's scheduler op, both passes of a tree step get scheduler metadata (non-causal;
-    pages of the cache, then pages of one token), made at the first layer of the plan and
-    reused by the next, and each launch gets its own pass's."""
+    pages of the cache, then pages of one token), made in plan() for the prepared layer and
+    reused by every layer, and each launch gets its own pass's."""
     kernel = fake_fa3(monkeypatch)
     made: list[tuple[object, ...]] = []
     given: list[object] = []
@@ -194,6 +194,7 @@ def test_fa3_tree_passes_get_scheduler_metadata_once_per_plan(
     monkeypatch.setattr(type(kernel), "__call__", call)
     backend = CPUFA3()
     batch = _fa3_tree_batch()
+    backend.prepare([FA3_LAYER], batch.cache.layout)  # make_plan plans the declared shapes
     cache = batch.fresh_cache()
     plan = backend.plan(batch.metadata)
     for _ in range(2):  # two layers of one step

@@ -173,7 +173,7 @@ def test_fp8_kv_cache(layout: str, kv_cache_dtype: str) -> None:
 
 
 def test_encoder_only_layer() -> None:
-    """ENCODER_ONLY: no cache, bidirectional, page-size-1 view of this step's k/v."""
+    """ENCODER_ONLY: no cache, bidirectional, ``forward_ragged`` over this step's k/v."""
     fa3_or_skip(torch.bfloat16, causal=False, sliding_window=32)
     spec = VLLM_BATCH_SPECS["small_encoder_prefill"]
     batch = batch_for(spec, "LBNHC", torch.bfloat16, causal=False, pad_requests=1)
