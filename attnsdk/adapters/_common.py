@@ -9,6 +9,9 @@
 - ``AttnKind``: causality and KV rules of the engines' attention types.
 - ``refuse``: the one way an adapter says "not served", with a reason.
 - ``engine_attr``: an attribute of an engine object, a missing one a typed error naming it.
+- ``ModelLayer`` / ``declare_model``: a model's attention layers, declared to the backend once
+  at start-up (``Backend.prepare``), every refusal naming the engine's layer;
+  ``ragged_reasons``: why a backend cannot run a layer through ``forward_ragged``.
 """
 
 from __future__ import annotations
@@ -25,16 +28,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from attnsdk.contract.backend import Backend
+from attnsdk.contract.capabilities import Feature
 from attnsdk.contract.errors import InvalidInputError, Reason, ReasonKind, UnsupportedConfigError
 from attnsdk.selection.config import AttentionConfig
 from attnsdk.selection.config_files import find_pyproject
 from attnsdk.selection.create import create_backend
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable
+    from collections.abc import Callable, Hashable, Iterable
     from typing import TypeAlias
 
-    from attnsdk.contract.kv import KVCache
+    import torch
+
+    from attnsdk.contract.kv import KVCache, KVCacheLayout
     from attnsdk.contract.layer import LayerSpec
 
 __all__ = [
@@ -43,9 +49,12 @@ __all__ = [
     "EngineVersions",
     "LayerEntry",
     "LayerState",
+    "ModelLayer",
     "backend_key",
+    "declare_model",
     "drop_in_class",
     "engine_attr",
+    "ragged_reasons",
     "refuse",
     "resolve_backend",
 ]
@@ -239,3 +248,91 @@ class LayerState:
         entry = build()
         self._entries[layer] = (fingerprint, entry)
         return entry
+
+    def put(self, layer: Hashable, fingerprint: Hashable, entry: LayerEntry) -> None:
+        """Keep ``entry`` (built ahead of the layer's first use, e.g. at start-up)."""
+        self._entries[layer] = (fingerprint, entry)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayer:
+    """One attention layer of an engine's model, as the adapter declares it at start-up."""
+
+    name: str
+    """How the engine names the layer (SGLang: ``layers[3]``, its ``layer_id``; vLLM: its
+    ``static_forward_context`` key, ``model.layers.3.self_attn.attn``)."""
+    spec: LayerSpec
+    layout: KVCacheLayout | None
+    """The cache it reads; None for a layer whose K/V come with the call (``forward_ragged``:
+    vLLM's encoder-only layers)."""
+    dtype: torch.dtype | None = None
+    """q's dtype, for a layer without a cache (``layout`` None); a cache layout carries it."""
+
+
+def ragged_reasons(
+    backend: Backend,
+    layer: LayerSpec,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None = None,
+) -> list[Reason]:
+    """Why ``backend`` cannot run ``layer`` through ``forward_ragged`` on ``device`` (q in
+    ``dtype``): its refusals of that call (``Feature.RAGGED``: no ragged attention, dims its
+    ragged kernel lacks, ...), environment first; [] when it can."""
+    return list(
+        backend.unsupported_reasons(layer, None, device, uses=(Feature.RAGGED,), dtype=dtype)
+    )
+
+
+def declare_model(
+    backend: Backend,
+    layers: Iterable[ModelLayer],
+    device: torch.device | str | None,
+    what: str,
+    *,
+    refused: Iterable[Reason] = (),
+) -> None:
+    """Declare a model's attention layers to ``backend`` once, before its first step.
+
+    The layers over a cache go to ``Backend.prepare``, once per KV layout with each distinct
+    layer shape (the backend then plans every shape from the first step on); the layers
+    without a cache are checked for ``forward_ragged``. A model the backend cannot serve
+    raises one ``UnsupportedConfigError`` (``what`` names the drop-in) with every reason of
+    every layer, each field naming the engine's layers of that shape (``layers[3].softcap``;
+    an environment reason, about no layer, comes once), before any layer is prepared.
+    ``refused``: the reasons of layers the adapter could not map itself, raised with the rest.
+    """
+    groups: dict[KVCacheLayout | None, dict[tuple[LayerSpec, torch.dtype | None], list[str]]] = {}
+    for layer in layers:
+        key = (layer.spec, layer.dtype if layer.layout is None else None)
+        groups.setdefault(layer.layout, {}).setdefault(key, []).append(layer.name)
+    failed = list(refused)
+    for layout, shapes in groups.items():
+        for (spec, dtype), names in shapes.items():
+            if layout is None:
+                reasons = ragged_reasons(backend, spec, device, dtype)
+            else:
+                reasons = backend.unsupported_reasons(spec, layout, device)
+            failed += [_named(r, _label(names)) for r in reasons]
+    if failed:
+        raise UnsupportedConfigError(
+            f"{what}: the {backend.name} backend cannot serve this model:", sorted(set(failed))
+        )
+    for layout, shapes in groups.items():
+        if layout is not None:
+            backend.prepare([spec for spec, _ in shapes], layout, device)
+
+
+def _named(reason: Reason, label: str) -> Reason:
+    """``reason`` about the layers ``label`` names; an environment reason is about no layer
+    (said once, not per shape)."""
+    if reason.kind is ReasonKind.ENVIRONMENT:
+        return reason
+    return Reason(reason.kind, f"{label}.{reason.field}", reason.message)
+
+
+def _label(names: list[str]) -> str:
+    """The engine's names of the layers of one shape: all of them up to four, else the first
+    two, the last and the count."""
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]}, ..., {names[-1]} ({len(names)} layers)"

@@ -29,13 +29,20 @@ from attnsdk.adapters.sglang import SGLangAdapter, SGLangAttentionBackend
 from attnsdk.adapters.sglang.testing import (
     ForwardMode,
     MockKVPool,
+    MockModel,
     MockRadixAttention,
     SGLangBatch,
     VerifyInput,
     make_sglang_batch,
 )
 from attnsdk.adapters.vllm import AttnSDKAttentionBackend, VLLMAdapter
-from attnsdk.adapters.vllm.testing import VLLMMockBatch, make_kv_cache, mock_vllm_batch
+from attnsdk.adapters.vllm.testing import (
+    FullAttentionSpec,
+    VLLMMockBatch,
+    make_kv_cache,
+    mock_vllm_batch,
+    mock_vllm_config,
+)
 from attnsdk.backends.reference import ReferenceOptions
 from attnsdk.testing import BatchSpec
 
@@ -581,9 +588,23 @@ def ctor_case(
 
 
 def model(b: SGLangBatch, **changes: Any) -> Any:
+    """A runner without model layers (SGLang's attention kit): the config describes the model."""
     return dataclasses.replace(
-        b.model_runner, model_config=dataclasses.replace(b.model_runner.model_config, **changes)
+        b.model_runner,
+        model_config=dataclasses.replace(b.model_runner.model_config, **changes),
+        model=None,
     )
+
+
+def unloaded(b: SGLangBatch) -> Any:
+    """``b``'s runner without model layers: the drop-in reads the model's shape off its config."""
+    return dataclasses.replace(b.model_runner, model=None)
+
+
+def with_layers(b: SGLangBatch, **changes: Any) -> Any:
+    """``b``'s runner whose model layer has ``changes`` (its attributes as SGLang names them)."""
+    layer = dataclasses.replace(b.layer, **changes)
+    return dataclasses.replace(b.model_runner, model=MockModel([layer]))
 
 
 def swa_pool(b: SGLangBatch) -> Any:
@@ -621,7 +642,7 @@ SG_CONSTRUCT_CASES = [
         "mla-model-on-flex-at-deepseek-dims",
         "head_dim",
         lambda b: dataclasses.replace(
-            b.model_runner,
+            unloaded(b),
             model_config=namespace(
                 b.model_runner.model_config,
                 attention_arch=SimpleNamespace(name="MLA"),
@@ -668,13 +689,32 @@ SG_CONSTRUCT_CASES = [
     ctor_case(
         "kv-cache-int8",
         "KVCacheLayout.kv_dtype",
-        lambda b: dataclasses.replace(b.model_runner, kv_cache_dtype=torch.int8),
+        lambda b: dataclasses.replace(unloaded(b), kv_cache_dtype=torch.int8),
     ),
     ctor_case(
         "heads-not-dividing", "LayerSpec.num_heads", lambda b: model(b, num_attention_heads=3)
     ),
     ctor_case("head-dim-zero", "LayerSpec.head_dim", lambda b: model(b, head_dim=0)),
     ctor_case("head-dim-past-backend", "head_dim", lambda b: model(b, head_dim=2048), UCE),
+    # A runner with model layers declares each one (Backend.prepare), named by its layer_id.
+    ctor_case(
+        "model-layer-cross-attention",
+        "layers[0].is_cross_attention",
+        lambda b: with_layers(b, is_cross_attention=True),
+        UCE,
+    ),
+    ctor_case(
+        "model-layer-capping-method",
+        "layers[0].logit_capping_method",
+        lambda b: with_layers(b, logit_cap=2.0, logit_capping_method="idk"),
+        UCE,
+    ),
+    ctor_case(
+        "model-layer-on-flex", "layers[0].page_size", lambda b: b.model_runner, UCE, backend="flex"
+    ),
+    ctor_case(
+        "model-layer-heads-word", "layer.tp_q_head_num", lambda b: with_layers(b, tp_q_head_num="4")
+    ),
 ]
 
 
@@ -821,7 +861,7 @@ def graph_case(
             dropin.init_forward_metadata_capture_cuda_graph(
                 bs, bs * per_row, rpi, seq, None, mode, spec_info
             )
-        buffers = dropin._graph[0]
+        buffers = dropin._graph.buffers
         watch += tuple(
             getattr(buffers, n)
             for n in ("query_start_loc", "seq_lens", "page_table", "slot_mapping", "seq_lens_cpu")
@@ -946,13 +986,13 @@ SG_GRAPH_CASES = [
     graph_case("legacy-replay-without-host-lens", "seq_lens_cpu", legacy_replay(2, seq_cpu=None)),
     graph_case(
         "replay-short-host-lens",
-        "forward_batch.seq_lens_cpu",
+        "seq_lens_cpu",
         legacy_replay(2, seq_cpu=torch.tensor([9])),
         IME,
     ),
     graph_case(
         "replay-row-past-pool",
-        "forward_batch.req_pool_indices[1]",
+        "req_pool_indices[1]",
         legacy_replay(2, rows=torch.tensor([1, 999])),
         IME,
     ),
@@ -1006,9 +1046,17 @@ SG_MISSING_CASES = [
     ctor_case("runner-no-page-size", "model_runner.page_size", runner_without("page_size")),
     ctor_case("runner-no-device", "model_runner.device", runner_without("device")),
     ctor_case(
-        "runner-no-kv-cache-dtype", "model_runner.kv_cache_dtype", runner_without("kv_cache_dtype")
+        "runner-no-kv-cache-dtype",
+        "model_runner.kv_cache_dtype",
+        lambda b: without(unloaded(b), "kv_cache_dtype"),
     ),
-    ctor_case("config-no-head-dim", "model_config.head_dim", config_without("head_dim")),
+    ctor_case(
+        "config-no-head-dim",
+        "model_config.head_dim",
+        lambda b: dataclasses.replace(
+            unloaded(b), model_config=without(b.model_runner.model_config, "head_dim")
+        ),
+    ),
     ctor_case("config-no-context-len", "model_config.context_len", config_without("context_len")),
     ctor_case(
         "pool-no-req-to-token",
@@ -1261,6 +1309,31 @@ def construct_case(
     return Case(f"vllm/impl-{name}", lambda: v_impl(backend, **kwargs), error, field)
 
 
+def group_case(
+    name: str,
+    field: str,
+    error: Err = UCE,
+    backend: type = RefVLLM,
+    *,
+    block_size: int = 16,
+    **kwargs: Any,
+) -> Case:
+    """A layer the backend cannot serve, refused when vLLM builds its group's builder at
+    start-up (the impl alone does not ask the backend), naming the layer."""
+    impl = v_impl(backend, **kwargs)
+    config = mock_vllm_config({"model.layers.0.attn": impl})
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=HKV, head_size=impl.head_size, dtype=torch.float32
+    )
+    build = backend.get_builder_cls()
+    return Case(
+        f"vllm/group-{name}",
+        lambda: build(spec, ["model.layers.0.attn"], config, torch.device("cpu")),
+        error,
+        field,
+    )
+
+
 def backend_class(spec: Any, **attrs: Any) -> type:
     return type("MatrixVLLMBackend", (AttnSDKAttentionBackend,), {"attnsdk_backend": spec, **attrs})
 
@@ -1282,7 +1355,21 @@ V_CONSTRUCT_CASES = [
     construct_case("scale-nan", "scale", scale=float("nan")),
     construct_case("heads-not-dividing", "LayerSpec.num_heads", num_heads=3),
     construct_case("head-size-zero", "LayerSpec.head_dim", head_size=0),
-    construct_case("head-size-past-backend", "head_dim", UCE, head_size=2048, scale=0.1),
+    group_case("head-size-past-backend", "model.layers.0.attn.head_dim", head_size=2048, scale=0.1),
+    group_case(
+        "block-size-on-flex",
+        "model.layers.0.attn.page_size",
+        backend=backend_class("flex"),
+        block_size=4,
+        head_size=64,
+    ),
+    group_case(
+        "encoder-on-flex",
+        "model.layers.0.attn.ragged",
+        backend=backend_class("flex"),
+        head_size=64,
+        attn_type="encoder_only",
+    ),
     construct_case("window-zero", "LayerSpec.sliding_window", sliding_window=0),
     construct_case("soft-cap-negative", "LayerSpec.softcap", logits_soft_cap=-1.0),
     construct_case("kv-cache-dtype-unknown", "kv_cache_dtype", kv_cache_dtype="int4"),

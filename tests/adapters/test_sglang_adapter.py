@@ -314,9 +314,9 @@ class BlockTableAdapter(SGLangAdapter):
         self.block_table = block_table
         self.calls = 0
 
-    def page_table(self, fb, width):
+    def page_table(self, req_pool_indices, width):
         self.calls += 1
-        return self.block_table[fb.req_pool_indices, :width]
+        return self.block_table[req_pool_indices, :width]
 
 
 def test_subclass_overriding_one_hook():

@@ -17,6 +17,7 @@ from sglang_dense import expected_step
 
 from attnsdk import (
     AttentionConfig,
+    Feature,
     InvalidInputError,
     InvalidMetadataError,
     LayerSpec,
@@ -27,9 +28,12 @@ from attnsdk import (
 from attnsdk.adapters.sglang import SGLangAttentionBackend
 from attnsdk.adapters.sglang.testing import (
     ForwardMode,
+    MockKVPool,
+    MockModel,
     MockRadixAttention,
     make_sglang_batch,
 )
+from attnsdk.backends.reference import ReferenceBackend
 from attnsdk.testing import BatchSpec, tolerance
 
 M = ForwardMode
@@ -173,11 +177,97 @@ def test_bad_backend_argument():
 
 
 def test_unservable_model_fails_at_construction():
+    """A runner without model layers (SGLang's kit) is checked from its config."""
     batch = make_sglang_batch(BatchSpec((1,), (2,)), LayerSpec(2, 1, 16), M.DECODE, page_size=1)
     config = dataclasses.replace(batch.model_runner.model_config, head_dim=2048)
-    runner = dataclasses.replace(batch.model_runner, model_config=config)
+    runner = dataclasses.replace(batch.model_runner, model_config=config, model=None)
     with pytest.raises(UnsupportedConfigError, match="head_dim"):
         SGLangAttentionBackend(runner, "reference")
+
+
+MODEL = [  # one decoder's layers: global, sliding window, softcap, bidirectional, global again
+    LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16),
+    LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=9),
+    LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, scale=1.0, softcap=3.0),
+    LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16, causal=False),
+    LayerSpec(num_heads=4, num_kv_heads=2, head_dim=16),
+]
+
+
+def with_model(batch, specs):
+    """``batch``'s runner whose model has a RadixAttention per spec, each over its own buffers
+    in the pool (copies of the batch's)."""
+    runner = batch.model_runner
+    k, v = runner.token_to_kv_pool.k_buffer[0], runner.token_to_kv_pool.v_buffer[0]
+    layers = [MockRadixAttention.from_layer_spec(spec, layer_id=i) for i, spec in enumerate(specs)]
+    pool = MockKVPool([k.clone() for _ in specs], [v.clone() for _ in specs])
+    return dataclasses.replace(runner, token_to_kv_pool=pool, model=MockModel(layers)), layers
+
+
+class NoSoftcap(ReferenceBackend):
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities,
+        features=ReferenceBackend.capabilities.features - {Feature.SOFTCAP},
+    )
+
+
+def test_the_model_is_declared_at_start_up():
+    """Construction prepares every distinct layer shape with the pool's layout; the layers'
+    forwards then run on what was prepared, adding nothing."""
+    batch = make_sglang_batch(BatchSpec((1, 1), (20, 33)), MODEL[0], M.DECODE, page_size=16)
+    runner, layers = with_model(batch, MODEL)
+    backend = create_backend("reference")
+    dropin = SGLangAttentionBackend(runner, backend)
+    pool = runner.token_to_kv_pool
+    layout = dropin.adapter.kv_cache(pool.k_buffer[0], pool.v_buffer[0]).layout
+    specs = [dropin.adapter.layer_spec(layer) for layer in layers]
+    assert len(set(specs)) == 4
+    assert backend.prepared == [(spec, layout) for spec in dict.fromkeys(specs)]
+    assert [spec.softcap for spec, _ in backend.prepared] == [None, None, 3.0, None]
+    dropin.init_forward_metadata(batch.forward_batch)
+    for layer in layers:
+        dropin.forward(batch.q, batch.k, batch.v, layer, batch.forward_batch)
+    assert backend.prepared == [(spec, layout) for spec in dict.fromkeys(specs)]
+
+
+def test_a_model_the_backend_cannot_serve_fails_at_start_up_naming_its_layers():
+    batch = make_sglang_batch(BatchSpec((1,), (20,)), MODEL[0], M.DECODE, page_size=16)
+    capped = [*MODEL, MODEL[2]]  # layers 2 and 5 have a softcap
+    runner, _ = with_model(batch, capped)
+    backend = NoSoftcap()
+    with pytest.raises(UnsupportedConfigError) as info:
+        SGLangAttentionBackend(runner, backend)
+    assert [r.field for r in info.value.reasons] == ["layers[2], layers[5].softcap"]
+    assert "SGLangAttentionBackend: the reference backend cannot serve this model" in str(
+        info.value
+    )
+    assert backend.prepared == []  # all or nothing
+
+
+def test_layers_attnsdk_cannot_map_are_named_beside_the_backends_reasons():
+    batch = make_sglang_batch(BatchSpec((1,), (20,)), MODEL[0], M.DECODE, page_size=16)
+    runner, layers = with_model(batch, MODEL[:3])
+    layers[1].is_cross_attention = True
+    with pytest.raises(UnsupportedConfigError) as info:
+        SGLangAttentionBackend(runner, NoSoftcap())
+    assert {r.field for r in info.value.reasons} == {
+        "layers[1].is_cross_attention",
+        "layers[2].softcap",
+    }
+
+
+def test_sinks_are_prepared_at_the_first_forward():
+    """SGLang passes a layer's sinks per call (RadixAttention has none): the layer is declared
+    without them at start-up, and its first forward with sinks prepares that variant."""
+    layer = MODEL[0]
+    batch = make_sglang_batch(BatchSpec((1,), (20,)), layer, M.DECODE, page_size=16)
+    backend = create_backend("reference")
+    dropin = SGLangAttentionBackend(batch.model_runner, backend)
+    assert [spec.has_sinks for spec, _ in backend.prepared] == [False]
+    dropin.init_forward_metadata(batch.forward_batch)
+    sinks = torch.zeros(layer.num_heads)
+    dropin.forward(batch.q, batch.k, batch.v, batch.layer, batch.forward_batch, sinks=sinks)
+    assert [spec.has_sinks for spec, _ in backend.prepared] == [False, True]
 
 
 def test_forward_before_metadata_raises():

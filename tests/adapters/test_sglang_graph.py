@@ -7,12 +7,15 @@ place.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from sglang_dense import expected_step
+from test_sglang_adapter import BlockTableAdapter
 
 from attnsdk import InvalidInputError, LayerSpec, UnsupportedConfigError
-from attnsdk.adapters.sglang import SGLangAttentionBackend
+from attnsdk.adapters.sglang import SGLangAdapter, SGLangAttentionBackend
 from attnsdk.adapters.sglang.testing import (
     ForwardMode,
     MockCudaGraphRunner,
@@ -69,7 +72,7 @@ def test_replay_with_padding_equals_eager(name, mode, spec, spec_info, capture, 
 
     dropin = SGLangAttentionBackend(batch.model_runner, "reference")
     runner = MockCudaGraphRunner(dropin, batch.model_runner, capture, mode, spec_info, hooks=hooks)
-    state = dropin._graph[0]
+    state = dropin._graph.buffers
     before = static_buffers(state)
     captured = dict(dropin._graph_plans)
     out, static = replay(batch, runner, dropin)
@@ -96,7 +99,7 @@ def test_capture_binds_views_sized_for_max_bs():
     batch = make_sglang_batch(BatchSpec((1,), (20,)), LAYER, M.DECODE, page_size=16)
     dropin = SGLangAttentionBackend(batch.model_runner, "reference")
     MockCudaGraphRunner(dropin, batch.model_runner, [1, 3, 8])
-    state = dropin._graph[0]
+    state = dropin._graph.buffers
     context = batch.model_runner.req_to_token_pool.req_to_token.shape[1]
     assert (state.max_batch, state.max_tokens, state.max_pages) == (8, 8, -(-context // 16))
     for bs in (1, 3, 8):
@@ -133,7 +136,7 @@ def test_successive_replays_reuse_the_buffers(hooks):
     batch = make_sglang_batch(spec, LAYER, M.DECODE, page_size=16, seed=2)
     dropin = SGLangAttentionBackend(batch.model_runner, "reference")
     runner = MockCudaGraphRunner(dropin, batch.model_runner, [2, 4], hooks=hooks)
-    state = dropin._graph[0]
+    state = dropin._graph.buffers
     before = static_buffers(state)
     for rows in (4, 1, 3, 2):
         step = batch.first_rows(rows)
@@ -160,3 +163,115 @@ def test_graph_protocol_errors():
         dropin.init_forward_metadata_replay_cuda_graph(3, rpi, seq, 2, None, M.DECODE, None, seq)
     with pytest.raises(InvalidInputError, match="seq_lens_cpu"):
         dropin.init_forward_metadata_replay_cuda_graph(2, rpi, seq, 2, None, M.DECODE, None, None)
+
+
+def spy_replays(monkeypatch, backend, *, run=True):
+    """The metadata every ``plan_for_replay`` receives (and, with ``run``, still refreshes)."""
+    seen = []
+    real = backend.plan_for_replay
+
+    def spy(plan, meta):
+        seen.append(meta)
+        if run:
+            real(plan, meta)
+
+    monkeypatch.setattr(backend, "plan_for_replay", spy)
+    return seen
+
+
+@pytest.mark.parametrize("hooks", ["out_graph", "legacy"])
+@pytest.mark.parametrize(
+    ("mode", "spec", "spec_info"),
+    [
+        (M.DECODE, BatchSpec((1,) * 3, (15, 16, 40)), None),
+        (M.TARGET_VERIFY, BatchSpec((3,) * 3, (17, 18, 35)), VerifyInput(3)),
+    ],
+    ids=["decode", "verify"],
+)
+def test_replay_hands_the_real_rows_to_plan_for_replay(monkeypatch, hooks, mode, spec, spec_info):
+    """The replayed metadata describes the batch's real rows only, built straight from the
+    hook's arguments; plan_for_replay pads the captured size itself (GraphBuffers)."""
+    batch = make_sglang_batch(spec, LAYER, mode, page_size=16, seed=3)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    runner = MockCudaGraphRunner(dropin, batch.model_runner, [2, 8], mode, spec_info, hooks=hooks)
+    seen = spy_replays(monkeypatch, dropin.backend)
+    static = runner.replay_prepare(batch.forward_batch)
+    (meta,) = seen
+    per_row = runner.per_row
+    assert static.batch_size == 8
+    assert meta.num_seqs == 3
+    assert meta.seq_lens_cpu.tolist() == list(spec.seq_lens)  # drafts included in a verify
+    assert meta.seq_lens.tolist() == list(spec.seq_lens)
+    assert meta.query_start_loc_cpu.tolist() == [0, per_row, 2 * per_row, 3 * per_row]
+    assert meta.max_query_len == per_row
+    assert meta.max_seq_len == max(spec.seq_lens)
+    assert bool((meta.slot_mapping == -1).all())  # the captured forward writes through the pool
+    r2t = batch.model_runner.req_to_token_pool.req_to_token
+    rows = batch.forward_batch.req_pool_indices
+    assert torch.equal(meta.page_table, (r2t[rows, ::16][:, : meta.page_table.shape[1]] // 16))
+    # The captured plan: the real rows, then padding rows on the padding page.
+    captured = dropin._plan.metadata
+    assert captured.seq_lens_cpu[:3].tolist() == list(spec.seq_lens)
+    assert bool((captured.page_table[3:] == 0).all())
+
+
+def test_legacy_replay_without_the_live_batch_takes_every_row_as_real(monkeypatch):
+    """SGLang <= 0.5.12 says how many rows are real only through ``_replay_forward_batch``;
+    without it the padded rows are replayed as they are (seq_len 1 through their row)."""
+    batch = make_sglang_batch(BatchSpec((1,) * 3, (15, 16, 40)), LAYER, M.DECODE, page_size=16)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference")
+    MockCudaGraphRunner(dropin, batch.model_runner, [4], hooks="legacy")
+    seen = spy_replays(monkeypatch, dropin.backend)
+    fb = batch.forward_batch
+    rows = torch.cat([fb.req_pool_indices, torch.zeros(1, dtype=torch.int64)])
+    seq = torch.cat([fb.seq_lens, torch.ones(1, dtype=torch.int64)])
+    dropin.init_forward_metadata_replay_cuda_graph(4, rows, seq, 0, None, M.DECODE, None, seq)
+    assert seen[0].seq_lens_cpu.tolist() == [15, 16, 40, 1]
+
+
+def test_replay_reads_no_device_value(monkeypatch):
+    """The replay path never reads a device tensor's values (a sync on a GPU): with the graph
+    runner's device inputs and req_to_token on the "meta" device, which has no values, the
+    real rows' metadata is still built, from the host lengths alone."""
+    spec = BatchSpec((1,) * 3, (15, 16, 40))
+    batch = make_sglang_batch(spec, LAYER, M.DECODE, page_size=16)
+    r2t = batch.model_runner.req_to_token_pool.req_to_token
+    adapter = SGLangAdapter(req_to_token=r2t.to("meta"), page_size=16)
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference", adapter=adapter)
+    MockCudaGraphRunner(dropin, batch.model_runner, [4])
+    seen = spy_replays(monkeypatch, dropin.backend, run=False)
+    host = torch.tensor([15, 16, 40, 1])
+    view = SimpleNamespace(
+        batch_size=4,
+        forward_mode=M.DECODE,
+        num_padding=1,
+        req_pool_indices=torch.zeros(4, dtype=torch.int64, device="meta"),
+        seq_lens=torch.zeros(4, dtype=torch.int64, device="meta"),
+        seq_lens_cpu=host,
+        out_cache_loc=torch.zeros(3, dtype=torch.int64, device="meta"),
+        spec_info=None,
+    )
+    dropin.init_forward_metadata_out_graph(view)
+    (meta,) = seen
+    assert meta.num_seqs == 3
+    assert meta.seq_lens_cpu.tolist() == [15, 16, 40]
+    assert meta.page_table.device.type == "meta"
+    assert meta.page_table.shape == (3, 3)
+
+
+def test_replay_reads_the_page_table_through_the_adapters_hook():
+    """An integrator's ``page_table`` hook serves replays too (its own block table here: the
+    request pool is zeroed, so the default derivation would read page 0 everywhere)."""
+    spec = BatchSpec((1,) * 3, (15, 16, 40))
+    batch = make_sglang_batch(spec, LAYER, M.DECODE, page_size=16, seed=6)
+    expected = expected_step(batch, LAYER)
+    r2t = batch.model_runner.req_to_token_pool.req_to_token
+    adapter = BlockTableAdapter(
+        req_to_token=r2t.clone(), page_size=16, block_table=(r2t[:, ::16] // 16).to(torch.int32)
+    )
+    adapter.req_to_token.zero_()
+    dropin = SGLangAttentionBackend(batch.model_runner, "reference", adapter=adapter)
+    runner = MockCudaGraphRunner(dropin, batch.model_runner, [4])
+    out, _ = replay(batch, runner, dropin)
+    assert adapter.calls == 1
+    torch.testing.assert_close(out.double(), expected.out, atol=1e-4, rtol=1e-4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from typing import TYPE_CHECKING
@@ -309,3 +310,94 @@ def test_speculative_steps_plan_from_exact_lengths(monkeypatch: pytest.MonkeyPat
     meta = builder.build(0, cm).metadata
     assert meta.seq_lens_cpu.tolist() == exact
     assert meta.max_seq_len == max(exact)
+
+
+GROUP = {  # one KV-cache group: (num_heads, head_size, scale, num_kv_heads) and extras
+    "model.layers.0.self_attn.attn": {},
+    "model.layers.1.self_attn.attn": {"sliding_window": 24},
+    "model.layers.2.self_attn.attn": {"logits_soft_cap": 30.0},
+    "model.layers.3.self_attn.attn": {"sinks": torch.zeros(4)},
+    "model.layers.4.self_attn.attn": {},
+    "model.layers.5.self_attn.attn": {"logits_soft_cap": 30.0},
+}
+
+
+def _group(backend_cls: type, layers: dict[str, dict[str, object]], **impl: object) -> object:
+    """The impls of ``layers`` (4 query / 2 KV heads of 32 dims), as vLLM builds a model."""
+    from attnsdk.adapters.vllm.testing import mock_vllm_config
+
+    make = backend_cls.get_impl_cls()
+    return mock_vllm_config(
+        {name: make(4, 32, 32**-0.5, 2, **{**impl, **extra}) for name, extra in layers.items()}
+    )
+
+
+def test_the_builder_declares_its_groups_layers_at_start_up() -> None:
+    """vLLM builds a builder per KV-cache group after the model: it prepares every distinct
+    layer shape there, with the group's KV layout, before any step."""
+    from attnsdk.adapters.vllm.testing import FullAttentionSpec
+
+    backend = create_backend("reference")
+    cls = type("Fresh", (AttnSDKAttentionBackend,), {"attnsdk_backend": backend})
+    config = _group(cls, GROUP, kv_cache_dtype="fp8")
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.uint8)
+    cls.get_builder_cls()(spec, list(GROUP), config, torch.device("cpu"))
+    impls = config.compilation_config.static_forward_context
+    specs = list(dict.fromkeys(impls[name].impl.layer_spec for name in GROUP))
+    assert len(specs) == 4
+    layouts = {layout for _, layout in backend.prepared}
+    assert [layer for layer, _ in backend.prepared] == specs
+    (layout,) = layouts
+    assert (layout.page_size, layout.dtype, layout.kv_dtype) == (
+        16,
+        torch.float32,
+        torch.float8_e4m3fn,
+    )
+    # The first step's forward runs on the declared (spec, layout): nothing more is prepared.
+    batch = mock_vllm_batch(
+        VLLM_BATCH_SPECS["mixed_small"], num_heads=4, num_kv_heads=2, head_size=32,
+        kv_cache_dtype="fp8", sinks=True,
+    )  # fmt: skip
+    builder = cls.get_builder_cls()(spec, list(GROUP), config, torch.device("cpu"))
+    metadata = builder.build(0, batch.common_attn_metadata)
+    output = torch.empty(batch.query.shape[0], 4 * 32)
+    for name in GROUP:
+        impl = impls[name].impl
+        args = (batch.query, batch.key, batch.value, batch.kv_cache, metadata, output)
+        impl.forward(batch.layer, *args)
+    assert [layer for layer, _ in backend.prepared] == specs
+
+
+def test_a_group_the_backend_cannot_serve_fails_at_start_up_naming_its_layers() -> None:
+    from attnsdk import Feature
+    from attnsdk.adapters.vllm.testing import FullAttentionSpec
+    from attnsdk.backends.reference import ReferenceBackend
+
+    class NoSoftcap(ReferenceBackend):
+        capabilities = dataclasses.replace(
+            ReferenceBackend.capabilities,
+            features=ReferenceBackend.capabilities.features - {Feature.SOFTCAP},
+        )
+
+    backend = NoSoftcap()
+    cls = type("NoSoftcapVLLM", (AttnSDKAttentionBackend,), {"attnsdk_backend": backend})
+    config = _group(cls, GROUP)  # the impls refuse nothing: their builder asks the backend
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with pytest.raises(UnsupportedConfigError) as info:
+        cls.get_builder_cls()(spec, list(GROUP), config, torch.device("cpu"))
+    assert [r.field for r in info.value.reasons] == [
+        "model.layers.2.self_attn.attn, model.layers.5.self_attn.attn.softcap"
+    ]
+    assert str(info.value).startswith(
+        "AttnSDKMetadataBuilder: the reference backend cannot serve this model:"
+    )
+    assert backend.prepared == []
+
+
+def test_a_builder_made_outside_vllms_start_up_declares_nothing() -> None:
+    """No spec or no config (a builder made by hand): each layer is prepared at its first
+    forward, as before."""
+    backend = create_backend("reference")
+    cls = type("Fresh", (AttnSDKAttentionBackend,), {"attnsdk_backend": backend})
+    cls.get_builder_cls()(None, ["l"], None, torch.device("cpu"))
+    assert backend.prepared == []

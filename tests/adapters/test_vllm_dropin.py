@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from attnsdk import AttentionConfig
+from attnsdk import AttentionConfig, UnsupportedConfigError
 from attnsdk.adapters.vllm import AttnSDKAttentionBackend, VLLMKVLayout
 from attnsdk.adapters.vllm.testing import (
     PHYSICAL_LAYOUTS,
@@ -265,9 +265,8 @@ def test_encoder_only_dropin(physical: str) -> None:
 
 
 def test_encoder_only_dropin_in_debug_mode() -> None:
-    """Debug mode accepts the drop-in's encoder-only step, whose first token sits on page 0 of
-    a page-size-1 view of the step's own k/v (it writes nothing), and serves it exactly like
-    the reference backend (docs/kv_layout.md, "Pages and slots")."""
+    """Debug mode accepts the drop-in's encoder-only step (ragged attention over the step's
+    own k/v, validated without a cache) and serves it exactly like the reference backend."""
     spec = VLLM_BATCH_SPECS["small_encoder_prefill"]
     batch = mock_vllm_batch(
         spec, num_heads=HQ, num_kv_heads=HKV, head_size=D, causal=False, pad_requests=1, seed=5
@@ -402,3 +401,79 @@ def test_step_of_only_padding() -> None:
     out = run_dropin(batch)
     assert torch.equal(batch.kv_cache, before)
     assert bool(out.isnan().all())  # the poisoned padding rows are left as they were
+
+
+def _encoder_group(backend: Any, names: list[str], spec_cls: Any = None) -> tuple[Any, Any]:
+    """An encoder-only KV-cache group as vLLM builds it: the layers' impls, then the group's
+    builder (``EncoderOnlyAttentionSpec`` unless ``spec_cls`` names another)."""
+    from attnsdk.adapters.vllm.testing import EncoderOnlyAttentionSpec, mock_vllm_config
+
+    cls = type("EncoderVLLM", (AttnSDKAttentionBackend,), {"attnsdk_backend": backend})
+    make = cls.get_impl_cls()
+    impls = {name: make(HQ, D, D**-0.5, HKV, attn_type="encoder_only") for name in names}
+    spec = (spec_cls or EncoderOnlyAttentionSpec)(
+        block_size=16, num_kv_heads=HKV, head_size=D, dtype=torch.float32
+    )
+    builder = cls.get_builder_cls()(spec, names, mock_vllm_config(impls), torch.device("cpu"))
+    return builder, impls
+
+
+def _count_plans(monkeypatch: pytest.MonkeyPatch, backend: Any) -> list[Any]:
+    planned: list[Any] = []
+    real = backend.plan
+    monkeypatch.setattr(backend, "plan", lambda meta: planned.append(meta) or real(meta))
+    return planned
+
+
+@pytest.mark.parametrize("builder_knows", [True, False], ids=["encoder-group", "other-group"])
+def test_encoder_layers_run_ragged_planned_once_per_step(
+    monkeypatch: pytest.MonkeyPatch, builder_knows: bool
+) -> None:
+    """Encoder-only layers run ``forward_ragged`` over the step's own k/v, planned once per
+    step: by the builder of vLLM's encoder-only group, else by the step's first encoder layer
+    (a builder that could not tell), and shared by every layer."""
+    from attnsdk import create_backend
+    from attnsdk.adapters.vllm.testing import FullAttentionSpec
+
+    backend = create_backend("reference")
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    spec_cls = None if builder_knows else FullAttentionSpec
+    builder, impls = _encoder_group(backend, names, spec_cls)
+    if not builder_knows:  # the layers are known, but the spec says a decoder group
+        builder.encoder = False
+    assert backend.prepared == []  # no cache: checked for ragged attention, nothing to prepare
+    batch = mock_vllm_batch(
+        VLLM_BATCH_SPECS["small_encoder_prefill"], num_heads=HQ, num_kv_heads=HKV, head_size=D,
+        causal=False, pad_requests=1, pad_tokens=3, seed=5,
+    )  # fmt: skip
+    planned = _count_plans(monkeypatch, backend)
+    metadata = builder.build(0, batch.common_attn_metadata)
+    semantics = {"scale": D**-0.5, "causal": False, "window": None, "softcap": None, "sinks": None}
+    forward_ragged = backend.forward_ragged
+    ragged_calls: list[Any] = []
+    monkeypatch.setattr(
+        backend,
+        "forward_ragged",
+        lambda *a, **k: ragged_calls.append(a[3]) or forward_ragged(*a, **k),
+    )
+    for impl in impls.values():
+        output = torch.full((batch.query.shape[0], HQ * D), math.nan)
+        q, k, v = (x.flatten(1) for x in (batch.query, batch.key, batch.value))
+        impl.forward(batch.layer, q, k, v, torch.empty(0), metadata, output=output)
+        out = output.view(-1, HQ, D)
+        for q0, ref in oracle_outputs(batch, None, None, **semantics).items():
+            got = out[q0 : q0 + ref.shape[0]].double()
+            torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    # One ragged step (no page table: the keys come with the call), whoever planned it.
+    ragged = [meta for meta in planned if meta.key_start_loc is not None]
+    assert len(ragged) == 1
+    assert ragged[0].page_table.shape[1] == 0
+    assert len(planned) == (1 if builder_knows else 2)  # else the builder's paged plan too
+    assert ragged_calls == [metadata.ragged] * len(impls)
+
+
+def test_a_backend_without_ragged_attention_is_refused_for_encoder_layers_at_start_up() -> None:
+    with pytest.raises(UnsupportedConfigError) as info:
+        _encoder_group("flex", ["model.layers.0.attn", "model.layers.1.attn"])
+    fields = [r.field for r in info.value.reasons]
+    assert "model.layers.0.attn, model.layers.1.attn.ragged" in fields

@@ -61,7 +61,8 @@ class SGLangAdapter:
     """Turns SGLang batch objects into attnsdk metadata; subclass it and override a hook.
 
     Hooks (each reads one thing from the ``ForwardBatch``): ``query_lens``, ``seq_lens``,
-    ``page_table``, ``slot_mapping``, ``tree_mask`` and ``layer_spec``. ``build_metadata`` composes them.
+    ``page_table`` (from the batch's request rows, so a CUDA-graph replay uses it too),
+    ``slot_mapping``, ``tree_mask`` and ``layer_spec``. ``build_metadata`` composes them.
 
     >>> import torch
     >>> req_to_token = torch.zeros(4, 64, dtype=torch.int32)
@@ -124,8 +125,11 @@ class SGLangAdapter:
             return Lengths(dev + n, host + n)
         return Lengths(dev, host)
 
-    def page_table(self, fb: ForwardBatch, width: int) -> torch.Tensor:
-        """(B, width) int32: ``req_to_token[req_pool_indices, ::P][:, :width] // P``."""
+    def page_table(self, req_pool_indices: torch.Tensor, width: int) -> torch.Tensor:
+        """(B, width) int32: ``req_to_token[req_pool_indices, ::P][:, :width] // P``.
+
+        ``req_pool_indices`` (B,) are the batch's request rows (``ForwardBatch.
+        req_pool_indices``, or a graph replay's static copy of them)."""
         starts = self._page_starts
         if width > starts.shape[1]:
             raise InvalidMetadataError(
@@ -134,7 +138,7 @@ class SGLangAdapter:
                 f"{self.req_to_token.shape[1]} columns at page_size {self.page_size})",
                 width,
             )
-        rows = starts[:, :width].index_select(0, _fb(fb, "req_pool_indices"))
+        rows = starts[:, :width].index_select(0, req_pool_indices)
         if self.page_size > 1:
             rows = rows // self.page_size
         return rows.to(torch.int32)
@@ -241,7 +245,7 @@ class SGLangAdapter:
         return AttentionMetadata.from_tensors(
             query_start_loc=qsl,
             seq_lens=s.device,
-            page_table=self.page_table(fb, width),
+            page_table=self.page_table(_fb(fb, "req_pool_indices"), width),
             slot_mapping=slots,
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=s.host,

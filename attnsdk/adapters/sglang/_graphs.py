@@ -7,10 +7,14 @@
   ``init_forward_metadata_replay_cuda_graph``.
 
 Both map onto the attnsdk backend's ``graph_state`` / ``plan_for_capture`` / ``plan_for_replay``.
+A replay builds the ``AttentionMetadata`` of the batch's real rows straight from the hook's
+arguments (no batch object in between) and hands it to ``plan_for_replay``, which copies it into
+the captured plan's static buffers (``GraphBuffers.replay_update``) and pads the other rows.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +22,9 @@ import torch
 
 from attnsdk.adapters._common import engine_attr, refuse
 from attnsdk.adapters.sglang._modes import StepKind, draft_token_num, is_tree, step_kind
-from attnsdk.contract.errors import InvalidInputError, UnsupportedConfigError
+from attnsdk.contract.checks import is_int_tensor
+from attnsdk.contract.errors import InvalidInputError, InvalidMetadataError, UnsupportedConfigError
+from attnsdk.contract.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -34,16 +40,27 @@ SEQ_LEN_FILL_VALUE = 1
 
 
 @dataclass(frozen=True, slots=True)
-class _GraphBatch:
-    """The ForwardBatch fields the adapter reads, rebuilt from a replay hook's arguments."""
+class _GraphState:
+    """What every replay reuses: the static buffers, and constant tensors it would otherwise
+    rebuild per replay."""
 
-    forward_mode: Any
-    batch_size: int
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    out_cache_loc: torch.Tensor
-    spec_info: Any
+    buffers: GraphBuffers
+    no_slots: torch.Tensor
+    """(max tokens,) int64 of -1 on the device: a replayed plan writes nothing (the captured
+    forward writes K/V through SGLang's pool, at the graph runner's static ``out_cache_loc``)."""
+    ramp: torch.Tensor
+    """(max_bs + 1,) int32 ``0, 1, 2, ...`` on the device."""
+    ramp_cpu: torch.Tensor
+    """The same, on the host."""
+    starts: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    """Tokens per row -> (device, host) ``query_start_loc`` of max_bs rows of that many
+    tokens, made at capture; a replay of b rows takes its first b + 1 entries (a view)."""
+
+    def query_starts(self, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        found = self.starts.get(per_row)
+        if found is None:
+            found = self.starts[per_row] = (self.ramp * per_row, self.ramp_cpu * per_row)
+        return found
 
 
 class SGLangGraphHooks:
@@ -58,8 +75,8 @@ class SGLangGraphHooks:
     device: torch.device
     page_size: int
     _plan: Plan | None
-    _graph: tuple[GraphBuffers, torch.Tensor] | None = None
-    """Static buffers and an all "-1" slot tensor (the captured forward writes K/V itself)."""
+    _graph: _GraphState | None = None
+    """The static buffers and the constants replays reuse (``init_cuda_graph_state``)."""
     _graph_plans: dict[tuple[int, int], Plan]
 
     if TYPE_CHECKING:
@@ -80,8 +97,14 @@ class SGLangGraphHooks:
                 f"seq_len fill {SEQ_LEN_FILL_VALUE} (SGLang's), found page "
                 f"{state.reserved_page} and fill {state.seq_len_fill}"
             )
-        no_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=self.device)
-        self._graph = (state, no_slots)
+        ramp = torch.arange(max_bs + 1, dtype=torch.int32)
+        self._graph = _GraphState(
+            buffers=state,
+            no_slots=torch.full((max_num_tokens,), -1, dtype=torch.int64, device=self.device),
+            ramp=ramp.to(self.device),
+            ramp_cpu=ramp,
+            starts={},
+        )
         self._graph_plans.clear()
 
     def init_forward_metadata_out_graph(
@@ -90,8 +113,9 @@ class SGLangGraphHooks:
         """SGLang 0.5.13+: bind a captured plan (``in_capture``) or refresh it for a replay.
 
         At capture ``forward_batch`` views the graph runner's static inputs; at replay it is
-        the runner's view of them (``batch_size`` rows, padding included, in the captured
-        ``forward_mode``), whose values are copied into the captured plan's buffers.
+        the runner's view of them (``batch_size`` rows in the captured ``forward_mode``, the
+        last ``num_padding`` of them padding), whose real rows are copied into the captured
+        plan's buffers.
         """
         fb = forward_batch
 
@@ -100,11 +124,14 @@ class SGLangGraphHooks:
 
         mode = read("forward_mode")
         step = _GraphStep(mode, read("spec_info"), getattr(fb, "encoder_lens", None))
+        bs = read("batch_size")
         if in_capture:
-            self._capture(read("batch_size"), read("out_cache_loc").shape[0], mode, step)
+            self._capture(bs, read("out_cache_loc").shape[0], mode, step)
         else:
+            padding = getattr(fb, "num_padding", None)
+            real = bs if padding is None else bs - padding
             batch = (read("req_pool_indices"), read("seq_lens"), read("seq_lens_cpu"))
-            self._replay(read("batch_size"), *batch, step)
+            self._replay(bs, real, *batch, step)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """SGLang 0.5.13+: nothing to record in the graph (replay refreshed the buffers)."""
@@ -139,11 +166,18 @@ class SGLangGraphHooks:
         """SGLang <= 0.5.12: refresh the plan captured for ``bs`` in place.
 
         SGLang passes ``bs`` padded rows: padding rows have seq_len 1 (the fill value), read
-        through req_to_token row 0 (or a stale row) and write slot 0 of the padding page.
+        through req_to_token row 0 (or a stale row) and write slot 0 of the padding page. How
+        many rows are real only the runner's batch says: 0.5.12's runner hands it to the
+        backend as ``_replay_forward_batch`` around this call (for DeepSeek V4's backend);
+        without it every row is taken as real, which reads the same keys for the real rows.
         """
         del seq_lens_sum  # the host lengths come from seq_lens_cpu
+        live = getattr(getattr(self, "_replay_forward_batch", None), "batch_size", None)
+        real = bs
+        if isinstance(live, numbers.Integral) and not isinstance(live, bool) and live <= bs:
+            real = int(live)
         step = _GraphStep(forward_mode, spec_info, encoder_lens)
-        self._replay(bs, req_pool_indices, seq_lens, seq_lens_cpu, step)
+        self._replay(bs, real, req_pool_indices, seq_lens, seq_lens_cpu, step)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """SGLang's seq_len for padding rows: 1 (a row of length 0 is not a valid kernel row)."""
@@ -156,7 +190,7 @@ class SGLangGraphHooks:
     def update_verify_buffers_to_fill_after_draft(self, spec_info: Any, cuda_graph_bs: Any) -> None:
         """Nothing to refresh for a chain verify (it has no tree mask)."""
 
-    def _require_graph_state(self) -> tuple[GraphBuffers, torch.Tensor]:
+    def _require_graph_state(self) -> _GraphState:
         if self._graph is None:
             raise InvalidInputError(
                 "init_cuda_graph_state", "called before capturing or replaying", "not called"
@@ -164,25 +198,29 @@ class SGLangGraphHooks:
         return self._graph
 
     def _capture(self, bs: int, num_tokens: int, mode: ForwardMode, step: Any) -> None:
-        state, _ = self._require_graph_state()
+        graph = self._require_graph_state()
         per_row = _graph_tokens_per_row(mode, step.spec_info, getattr(step, "encoder_lens", None))
         if num_tokens != bs * per_row:
             raise InvalidInputError(
                 "num_tokens", f"bs * tokens per row = {bs} * {per_row} = {bs * per_row}", num_tokens
             )
-        plan = self.backend.plan_for_capture(state, bs, num_tokens, max_query_len=per_row)
+        plan = self.backend.plan_for_capture(graph.buffers, bs, num_tokens, max_query_len=per_row)
+        graph.query_starts(per_row)  # made now, so no replay allocates it
         self._graph_plans[(bs, per_row)] = plan
         self._plan = plan
 
     def _replay(
         self,
         bs: int,
+        real: int,
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         seq_lens_cpu: torch.Tensor | None,
         step: Any,
     ) -> None:
-        _, no_slots = self._require_graph_state()
+        """Refresh the plan captured for ``bs`` rows with the first ``real`` of them (the rest
+        are padding, which ``plan_for_replay`` pads itself: seq_len 1 on the reserved page)."""
+        graph = self._require_graph_state()
         mode = step.forward_mode
         per_row = _graph_tokens_per_row(mode, step.spec_info, getattr(step, "encoder_lens", None))
         plan = self._graph_plans.get((bs, per_row))
@@ -193,17 +231,67 @@ class SGLangGraphHooks:
             raise InvalidInputError(
                 "seq_lens_cpu", "the host twin of seq_lens (attnsdk never syncs for it)", None
             )
-        view = _GraphBatch(
-            forward_mode=mode,
-            batch_size=bs,
-            req_pool_indices=req_pool_indices[:bs],
-            seq_lens=seq_lens[:bs],
-            seq_lens_cpu=seq_lens_cpu[:bs],
-            out_cache_loc=no_slots[: bs * per_row],
-            spec_info=step.spec_info,
+        if not 0 <= real <= bs:
+            raise InvalidInputError("num_padding", f"0..{bs} padding rows of {bs}", bs - real)
+        # TARGET_VERIFY's seq_lens exclude the drafts, which are this step's query tokens.
+        drafts = per_row if step_kind(mode) is StepKind.TARGET_VERIFY else 0
+        meta = self._replay_metadata(
+            graph, real, per_row, drafts, req_pool_indices, seq_lens, seq_lens_cpu
         )
-        self.backend.plan_for_replay(plan, self._adapter().build_metadata(view))
+        self.backend.plan_for_replay(plan, meta)
         self._plan = plan
+
+    def _replay_metadata(
+        self,
+        graph: _GraphState,
+        b: int,
+        per_row: int,
+        drafts: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+    ) -> AttentionMetadata:
+        """The ``AttentionMetadata`` of the replay's ``b`` real rows, ``per_row`` query tokens
+        each, from the graph runner's static inputs (host lengths from ``seq_lens_cpu``; no
+        device sync). Its slots are -1: the captured forward writes K/V through the pool."""
+        for name, t, device in (
+            ("req_pool_indices", req_pool_indices, None),
+            ("seq_lens", seq_lens, None),
+            ("seq_lens_cpu", seq_lens_cpu, "cpu"),
+        ):
+            if not is_int_tensor(t) or t.dim() != 1 or t.shape[0] < b:
+                found = (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else repr(t)
+                raise InvalidMetadataError(name, f"a 1-D integer tensor of >= {b} rows", found)
+            if device is not None and t.device.type != device:
+                raise InvalidMetadataError(f"{name}.device", device, t.device)
+        adapter = self._adapter()
+        rows = req_pool_indices[:b]
+        if rows.device.type == "cpu":  # checked where reading it costs no device sync
+            limit = adapter.req_to_token.shape[0]
+            bad = torch.nonzero((rows < 0) | (rows >= limit))
+            if bad.numel():
+                i = int(bad[0])
+                raise InvalidMetadataError(
+                    f"req_pool_indices[{i}]", f"a row of req_to_token, 0..{limit - 1}", int(rows[i])
+                )
+        host = seq_lens_cpu[:b].to(torch.int32)
+        lengths = seq_lens[:b].to(torch.int32)
+        if drafts:
+            host = host + drafts
+            lengths = lengths + drafts
+        max_seq = int(host.max()) if b else 0
+        starts, starts_cpu = graph.query_starts(per_row)
+        return AttentionMetadata.from_tensors(
+            query_start_loc=starts[: b + 1],
+            seq_lens=lengths,
+            page_table=adapter.page_table(rows, -(-max_seq // self.page_size)),
+            slot_mapping=graph.no_slots[: b * per_row],
+            query_start_loc_cpu=starts_cpu[: b + 1],
+            seq_lens_cpu=host,
+            max_query_len=per_row if b else 0,
+            max_seq_len=max_seq,
+            page_size=self.page_size,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,11 @@
-"""SGLang's ``RadixAttention`` layer → ``LayerSpec`` (SGLang's window is W - 1; its chunk size
-is the model's, on the layers flagged ``use_irope``)."""
+"""What the SGLang drop-in reads off a ``RadixAttention`` layer: its ``LayerSpec`` (SGLang's
+window is W - 1; its chunk size is the model's, on the layers flagged ``use_irope``), the key
+its spec and cache are cached under, and its per-call q/k/v as head views."""
 
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import TYPE_CHECKING, Any
 
 from attnsdk.adapters._common import AttnKind, engine_attr
@@ -11,9 +13,17 @@ from attnsdk.contract.errors import InvalidInputError, Reason, ReasonKind, Unsup
 from attnsdk.contract.layer import LayerSpec
 
 if TYPE_CHECKING:
+    import torch
     from sglang.srt.layers.radix_attention import RadixAttention
 
-__all__ = ["radix_layer_spec"]
+__all__ = [
+    "as_heads",
+    "is_radix_attention",
+    "kv_scales",
+    "layer_fingerprint",
+    "layer_shape",
+    "radix_layer_spec",
+]
 
 
 _ATTN_KINDS = {
@@ -92,3 +102,71 @@ def _layer_number(layer: Any, name: str, default: Any = ..., *, integral: bool =
     if not integral and not isinstance(value, bool) and isinstance(value, numbers.Real):
         return float(value)
     raise InvalidInputError(f"layer.{name}", "an int" if integral else "a number", repr(value))
+
+
+_SHAPE_FIELDS = (
+    "layer_id",
+    "tp_q_head_num",
+    "tp_k_head_num",
+    "head_dim",
+    "v_head_dim",
+    "scaling",
+    "sliding_window_size",
+    "logit_cap",
+    "attn_type",
+)
+_shape_fields = operator.attrgetter(*_SHAPE_FIELDS)
+
+
+def layer_shape(layer: RadixAttention) -> tuple[object, ...]:
+    """What a ``LayerSpec`` is derived from, of a SGLang layer (with ``layer_id`` first: an id
+    reused by a draft model's layer of another shape is another key). Read on every forward,
+    so in one ``attrgetter``; only a missing attribute pays for finding which, to name it."""
+    try:
+        fields = _shape_fields(layer)
+    except AttributeError:
+        for name in _SHAPE_FIELDS:
+            engine_attr(layer, "layer", name)
+        raise
+    # Read with defaults, as radix_layer_spec reads them: a mapping they change (a layer that
+    # turns out to be cross-attention) must not hit a spec built for the layer without it.
+    return (
+        *fields,
+        getattr(layer, "use_irope", False),
+        getattr(layer, "is_cross_attention", False),
+        getattr(layer, "logit_capping_method", "tanh"),
+    )
+
+
+def is_radix_attention(module: object) -> bool:
+    """Whether ``module`` is a ``RadixAttention`` (known by the attributes SGLang's backends
+    read off it; SGLang is not imported)."""
+    return all(hasattr(module, name) for name in _SHAPE_FIELDS) and isinstance(
+        getattr(module, "layer_id", None), int
+    )
+
+
+def layer_fingerprint(
+    shape: tuple[object, ...],
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    dtype: torch.dtype,
+    sinks: bool,
+) -> tuple[object, ...]:
+    """Everything a layer's ``LayerEntry`` is derived from (see ``LayerState``)."""
+    return (k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape, v_buf.shape, k_buf.dtype, dtype,
+            sinks, *shape)  # fmt: skip
+
+
+def as_heads(name: str, t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """``t`` ([T, H*D] or [T, H, D]) as a (T, H, D) view; a wrong width is a typed error."""
+    if t.dim() in (2, 3) and t.shape[1:].numel() == heads * dim:
+        return t.reshape(t.shape[0], heads, dim)
+    raise InvalidInputError(
+        f"{name}.shape", f"(T, {heads} * {dim}) or (T, {heads}, {dim})", tuple(t.shape)
+    )
+
+
+def kv_scales(layer: RadixAttention) -> tuple[Any, Any]:
+    """The layer's ``k_scale`` / ``v_scale`` (SGLang hands them to the pool and the kernel)."""
+    return engine_attr(layer, "layer", "k_scale"), engine_attr(layer, "layer", "v_scale")

@@ -3,6 +3,10 @@
 Shape legend: T query rows (``num_actual_tokens`` of them real), Hq / Hkv heads, D head size.
 vLLM 0.33+ hands q/k/v as (T, H, D) and an output buffer (T, Hq, D); (T, H * D) is accepted
 too. Results are written into that buffer, only its first ``num_actual_tokens`` rows.
+
+The impl refuses at construction what only its arguments say (ALiBi, an unmapped attention
+type, extra arguments); whether the backend serves the layer is asked once for the whole KV
+cache group by the group's builder (``attnsdk_layer``, ``declare_group``), naming the layer.
 """
 
 from __future__ import annotations
@@ -11,14 +15,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from attnsdk.adapters._common import AttnKind, refuse, resolve_backend
+from attnsdk.adapters._common import AttnKind, ModelLayer, refuse, resolve_backend
 from attnsdk.adapters.vllm._adapter import VLLMAdapter, vllm_attn_kind
+from attnsdk.adapters.vllm._builder import encoder_plan
 from attnsdk.adapters.vllm._layout import fp8_storage_dtype
 from attnsdk.contract.capabilities import Feature
 from attnsdk.contract.checks import check_positive_float
-from attnsdk.contract.errors import InvalidInputError, UnsupportedConfigError
+from attnsdk.contract.errors import InvalidInputError
 from attnsdk.contract.kv import KVCacheLayout
-from attnsdk.contract.metadata import AttentionMetadata
 from attnsdk.contract.plan import Plan
 
 if TYPE_CHECKING:
@@ -123,11 +127,6 @@ class AttnSDKAttentionImplBase:
             )
             for causal in (True, False)
         }
-        reasons = self.backend.unsupported_reasons(self._layers[True])
-        if reasons:
-            raise UnsupportedConfigError(
-                f"attnsdk backend {self.backend.name!r} cannot serve this vLLM layer:", reasons
-            )
         self._cache_key: tuple[object, ...] | None = None
         self._cache: KVCache | None = None
 
@@ -135,6 +134,24 @@ class AttnSDKAttentionImplBase:
     def layer_spec(self) -> LayerSpec:
         """The layer as attnsdk sees it in a causal step."""
         return self._layers[True]
+
+    def attnsdk_layer(self, name: str, page_size: int, dtype: torch.dtype) -> ModelLayer:
+        """This layer as its builder declares it at start-up (``declare_group``): the causal
+        step's ``LayerSpec`` over the KV layout the impl will read vLLM's cache as
+        (``page_size`` tokens per block, q in ``dtype``, K/V stored in it or in the fp8 dtype
+        ``kv_cache_dtype`` names), or without a cache for an encoder layer
+        (``forward_ragged``). A non-causal decoder step's spec is prepared at its first
+        forward."""
+        if self.kind is AttnKind.ENCODER:
+            return ModelLayer(name, self.layer_spec, None, dtype)
+        layout = KVCacheLayout(
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_size,
+            page_size=page_size,
+            dtype=dtype,
+            kv_dtype=fp8_storage_dtype(self.kv_cache_dtype) or dtype,
+        )
+        return ModelLayer(name, self.layer_spec, layout)
 
     def forward(
         self,
@@ -180,8 +197,11 @@ class AttnSDKAttentionImplBase:
                 raise InvalidInputError(
                     "key/value", "tensors (encoder attention has no KV cache)", None
                 )
+            # This step's own K/V, no cache: ragged attention, planned once per step.
             k_enc, v_enc = _heads("key", key[:n], hkv, d), _heads("value", value[:n], hkv, d)
-            result = self._encoder(attn_metadata, q, k_enc, v_enc, layer_spec, sinks, out)
+            result = attn_metadata.backend.forward_ragged(
+                q, k_enc, v_enc, encoder_plan(attn_metadata), layer_spec, sinks=sinks, out=out
+            )
         elif self.kind is AttnKind.CROSS:
             cache = self._kv(kv_cache, q.dtype)
             k_scale, v_scale = _scales(layer, cache)
@@ -278,47 +298,6 @@ class AttnSDKAttentionImplBase:
             )
             self._cache_key = key
         return self._cache
-
-    def _encoder(
-        self,
-        attn_metadata: VLLMAttentionMetadata,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_spec: LayerSpec,
-        sinks: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """Encoder attention reads this step's k/v only (vLLM keeps no cache for it).
-
-        k/v become a page-size-1 cache without a copy: token t is page t, and sequence b's
-        page table row is ``query_start_loc[b] + arange(max_query_len)``.
-        """
-        meta = attn_metadata.metadata
-        n = k.shape[0]
-        layout = KVCacheLayout(
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_size, page_size=1, dtype=q.dtype
-        )
-        cache = layout.wrap(k.unsqueeze(1), v.unsqueeze(1))
-        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        width = max(1, meta.max_query_len)
-        ramp = torch.arange(width, dtype=torch.int32, device=q.device)
-        # Padding rows (query length 0) may point past the last token; clamp keeps them in range.
-        pages = (meta.query_start_loc[:-1, None] + ramp).clamp_(max=max(n - 1, 0))
-        dense = AttentionMetadata.from_tensors(
-            query_start_loc=meta.query_start_loc,
-            seq_lens=query_lens,
-            page_table=pages,
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=q.device),
-            query_start_loc_cpu=meta.query_start_loc_cpu,
-            seq_lens_cpu=meta.query_lens_cpu,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_query_len,
-        )
-        backend = attn_metadata.backend
-        return backend.forward(
-            q, None, None, cache, backend.plan(dense), layer_spec, sinks=sinks, out=out
-        )
 
 
 def _heads(name: str, t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:

@@ -29,14 +29,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnsdk.adapters._common import drop_in_class, resolve_backend
+from attnsdk.adapters._common import ModelLayer, drop_in_class, resolve_backend
 from attnsdk.adapters.vllm._adapter import VLLMAdapter
 from attnsdk.adapters.vllm._backend import (
     VLLM_VERSIONS,
     kernel_block_sizes,
     serves_compute_capability,
 )
-from attnsdk.adapters.vllm._builder import no_full_graphs
+from attnsdk.adapters.vllm._builder import declare_group, no_full_graphs
 from attnsdk.adapters.vllm._layout import compute_dtype_by_name, fp8_storage_dtype
 from attnsdk.adapters.vllm._resolve import BackendSpec, bind
 from attnsdk.contract.errors import (
@@ -99,6 +99,10 @@ class AttnSDKMLAMetadataBuilderBase:
         self.speculative = getattr(vllm_config, "speculative_config", None) is not None
         """Speculative decoding is on: vLLM's host copy of ``seq_lens`` is then an upper bound
         (every draft taken as accepted), so ``decode_metadata`` reads the exact lengths."""
+        # The group's MLA layers, declared once (Backend.prepare) before the first step.
+        declare_group(
+            self.backend, kv_cache_spec, layer_names, vllm_config, device, type(self).__name__
+        )
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> Any:
@@ -209,6 +213,20 @@ class AttnSDKMLAImplBase:
             num_heads, kv_lora_rank=rank, rope_dim=int(mla_args["qk_rope_head_dim"]), scale=scale
         )
         self._cache: tuple[tuple[Any, ...], KVCache] | None = None
+
+    def attnsdk_layer(self, name: str, page_size: int, dtype: torch.dtype) -> ModelLayer:
+        """This layer as its builder declares it at start-up: the MLA decode layer over the
+        latent cache ``_wrap`` will adopt (``page_size`` tokens per block, in ``dtype``, or
+        vLLM's fp8 latent)."""
+        spec = self.spec
+        layout = KVCacheLayout.for_mla(
+            page_size,
+            kv_lora_rank=spec.v_dim,
+            rope_dim=spec.head_dim - spec.v_dim,
+            dtype=dtype,
+            kv_dtype=self.latent_dtype,
+        )
+        return ModelLayer(name, spec, layout)
 
     def forward_mqa(
         self,

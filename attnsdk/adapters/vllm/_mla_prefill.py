@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from attnsdk.adapters._common import drop_in_class, resolve_backend
+from attnsdk.adapters._common import drop_in_class, ragged_reasons, resolve_backend
 from attnsdk.adapters.vllm._backend import VLLM_VERSIONS, serves_compute_capability
 from attnsdk.contract.errors import (
     BackendUnavailableError,
@@ -49,7 +49,6 @@ from attnsdk.contract.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from attnsdk.adapters.vllm._resolve import BackendSpec
-    from attnsdk.contract.backend import Backend
     from attnsdk.contract.plan import Plan
 
 __all__ = ["AttnSDKMLAPrefillBackendBase", "vllm_mla_prefill_class"]
@@ -69,15 +68,6 @@ def expanded_layer(
         v_head_dim=v_head_dim,
         scale=scale,
     )
-
-
-def _ragged_reasons(backend: Backend, layer: LayerSpec, device: str | None) -> list[Reason]:
-    """Why ``backend`` cannot run ``layer`` through ``forward_ragged`` on ``device``."""
-    reasons = getattr(backend, "ragged_reasons", None)
-    if reasons is None or getattr(backend, "forward_ragged", None) is None:
-        return [Reason(ReasonKind.CONFIGURATION, "ragged",
-                       f"the {backend.name} backend has no forward_ragged")]  # fmt: skip
-    return list(reasons(layer, device))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +122,7 @@ class AttnSDKMLAPrefillBackendBase:
         )
         device = "cuda" if device_capability is not None else None
         backend = resolve_backend(cls.attnsdk_backend)
-        return [str(r) for r in _ragged_reasons(backend, layer, device)]
+        return [str(r) for r in ragged_reasons(backend, layer, device)]
 
     def __init__(
         self,
@@ -157,10 +147,10 @@ class AttnSDKMLAPrefillBackendBase:
         self.layer = expanded_layer(
             num_heads, qk_nope_head_dim + qk_rope_head_dim, v_head_dim, scale
         )
-        if getattr(self.backend, "forward_ragged", None) is None:
+        reasons = ragged_reasons(self.backend, self.layer, None)
+        if reasons:
             raise UnsupportedConfigError(
-                "AttnSDKMLAPrefillBackend cannot serve this model:",
-                _ragged_reasons(self.backend, self.layer, None),
+                "AttnSDKMLAPrefillBackend cannot serve this model:", reasons
             )
         self.context_layer = dataclasses.replace(self.layer, causal=False)
         """A context chunk: every key is before the queries (``cross_attention`` plans)."""
@@ -275,8 +265,7 @@ class AttnSDKMLAPrefillBackendBase:
             if want_lse
             else None
         )
-        forward_ragged = self.backend.forward_ragged  # type: ignore[attr-defined]  # __init__
-        o = forward_ragged(q, k, v, plan, layer, out=out, lse=lse)
+        o = self.backend.forward_ragged(q, k, v, plan, layer, out=out, lse=lse)
         if lse is None:
             return o
         # attnsdk's lse is (tokens, heads); vLLM's merges read (heads, tokens), contiguous.

@@ -12,11 +12,17 @@ keep their lengths, read the null block and write nothing.
 >>> batch = mock_vllm_batch(BatchSpec.decode(batch_size=2), pad_requests=1)
 >>> tuple(batch.kv_cache.shape[1:]), batch.common_attn_metadata.num_reqs
 ((2, 16, 128), 3)
+
+What a builder reads at start-up (its KV-cache group's spec, and the ``VllmConfig`` whose
+``static_forward_context`` maps layer names to layers and their impls) has doubles too:
+``FullAttentionSpec``, ``EncoderOnlyAttentionSpec`` (named as vLLM's: builders tell the kind
+of a group by its spec's class) and ``mock_vllm_config``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,12 +34,19 @@ from attnsdk.testing import BatchSpec, assign_pages
 __all__ = [
     "PHYSICAL_LAYOUTS",
     "VLLM_BATCH_SPECS",
+    "EncoderOnlyAttentionSpec",
+    "FullAttentionSpec",
+    "MockAttention",
     "MockAttentionLayer",
     "MockCommonAttentionMetadata",
+    "MockCompilationConfig",
+    "MockModelConfig",
+    "MockVllmConfig",
     "VLLMMockBatch",
     "make_kv_cache",
     "mock_common_attn_metadata",
     "mock_vllm_batch",
+    "mock_vllm_config",
 ]
 
 VLLM_BATCH_SPECS: dict[str, BatchSpec] = {
@@ -102,6 +115,63 @@ class MockAttentionLayer:
     _k_scale_float: float = 1.0
     _v_scale_float: float = 1.0
     _q_scale_float: float = 1.0
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """vLLM's ``FullAttentionSpec`` (a KV-cache group of decoder layers), the fields a builder
+    reads: ``block_size`` is the kernel block size vLLM hands the builder."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class EncoderOnlyAttentionSpec:
+    """vLLM's ``EncoderOnlyAttentionSpec``: the group of encoder-only layers (no KV cache)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+
+@dataclass
+class MockAttention:
+    """A ``static_forward_context`` entry: vLLM's ``Attention`` layer, with its impl."""
+
+    impl: Any
+    kv_sharing_target_layer_name: str | None = None
+
+
+@dataclass
+class MockModelConfig:
+    dtype: torch.dtype
+    """The model's compute dtype (vLLM resolves "auto" to a ``torch.dtype``)."""
+
+
+@dataclass
+class MockCompilationConfig:
+    static_forward_context: dict[str, Any] = field(default_factory=dict)
+    """Layer name -> layer, as vLLM's layers register themselves when they are built."""
+
+
+@dataclass
+class MockVllmConfig:
+    """The ``VllmConfig`` fields a builder reads."""
+
+    model_config: MockModelConfig
+    compilation_config: MockCompilationConfig
+    speculative_config: Any = None
+
+
+def mock_vllm_config(impls: dict[str, Any], dtype: torch.dtype = torch.float32) -> MockVllmConfig:
+    """A ``VllmConfig`` whose ``static_forward_context`` holds a layer per name of ``impls``,
+    with that impl (e.g. ``AttnSDKAttentionImpl`` instances)."""
+    context = {name: MockAttention(impl) for name, impl in impls.items()}
+    return MockVllmConfig(MockModelConfig(dtype), MockCompilationConfig(context))
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,6 +101,7 @@ class EngineRunner(ModelRunner):
         kv_pool: Any = None,
         server_args: Any = None,
         attention_chunk_size: int | None = None,
+        layers: list[RadixAttention] | None = None,
     ) -> None:
         self.device = "cpu"
         self.gpu_id = 0
@@ -117,6 +118,9 @@ class EngineRunner(ModelRunner):
         self.server_args = server_args or SimpleNamespace(
             speculative_algorithm=None, speculative_eagle_topk=None
         )
+        # The loaded model (set before SGLang builds the attention backend): its RadixAttention
+        # layers are what the drop-in declares at start-up. None: a runner without one.
+        self.model = None if layers is None else torch.nn.ModuleList(layers)
         if NEW_HOOKS:
             self.init_kv_index_translator()  # SGLang's own; batches bind their KV ids to it
 
@@ -468,11 +472,11 @@ class Engine:
     ) -> None:
         self.pools = Pools(page_size, dtype, num_pages=12 if page_size == 16 else 192, rows=rows)
         self.table = RequestTable(self.pools)
-        runner = EngineRunner(self.pools, attention_chunk_size=chunk)
+        self.layers = make_layers(irope=chunk is not None)
+        runner = EngineRunner(self.pools, attention_chunk_size=chunk, layers=self.layers)
         self.dropin = create_backend(runner, DROPIN)
         self.twin = self.pools.new_kv_pool()
         self.native = create_backend(EngineRunner(self.pools, kv_pool=self.twin), "torch_native")
-        self.layers = make_layers(irope=chunk is not None)
         self.chunk = chunk
         self.gen = torch.Generator().manual_seed(page_size)
         self.tol = tolerance(dtype)

@@ -8,7 +8,7 @@
   re-runs the layers on the batch captured for the padded size, as a graph replays them on its
   static inputs: real rows must equal an eager run and the float64 oracle, pages other than the
   padding page must hold exactly the expected K/V, and each replay must refresh the captured
-  plan of its size in place (never ``Backend.plan``).
+  plan of its size in place (never ``Backend.plan``) with the metadata of the real rows only.
 - Every member SGLang's runners, layers, batches and EAGLE verify read off the target's
   ``attn_backend`` exists on the drop-in (callable where they call it). SGLang's own kit runs
   its CUDA-graph decode flow on the drop-in in test_sglang_kit.py.
@@ -206,6 +206,7 @@ class Spy:
 
     def __init__(self, backend, monkeypatch) -> None:
         self.captured, self.replayed, self.forwarded, self.planned = [], [], [], 0
+        self.replayed_metadata = []
         for name in ("plan_for_capture", "plan_for_replay", "forward", "plan"):
             monkeypatch.setattr(backend, name, self._wrap(name, getattr(backend, name)))
 
@@ -216,6 +217,7 @@ class Spy:
                 self.captured.append(result)
             elif name == "plan_for_replay":
                 self.replayed.append(args[0])
+                self.replayed_metadata.append(args[1])
             elif name == "forward":
                 self.forwarded.append(args[4])
             else:
@@ -266,7 +268,7 @@ def test_padded_replay_equals_eager(mode, per_row, capture_bs, replays, page_siz
         twin = twin_batch(live, e.twin)
         eager.init_forward_metadata(twin)
         spy.planned = 0
-        del spy.replayed[:], spy.forwarded[:]
+        del spy.replayed[:], spy.forwarded[:], spy.replayed_metadata[:]
         static = runner.replay_prepare(live)
         bs, n = static.batch_size, rows * per_row
         assert bs > rows, "the replay must be padded"
@@ -281,8 +283,13 @@ def test_padded_replay_equals_eager(mode, per_row, capture_bs, replays, page_siz
             torch.testing.assert_close(got, attend(eager, layer, *qkv, twin), atol=0, rtol=0)
             for buf, ref in zip(e.pools.kv_pool.get_kv_buffer(layer.layer_id), (want_k, want_v)):
                 assert torch.equal(buf[p:], ref[p:]), "padding rows wrote outside page 0"
-        # In place: the captured plan of this size, refreshed once, its buffers not reallocated.
+        # In place: the captured plan of this size, refreshed once, its buffers not reallocated,
+        # with the real rows' metadata built from the hook's arguments (0.5.23's view says how
+        # many rows are padding, 0.5.12's runner sets the live batch on the backend).
         assert spy.replayed == [plans[bs]]
+        (meta,) = spy.replayed_metadata
+        assert meta.num_seqs == rows
+        assert meta.seq_lens_cpu.tolist() == seq_lens
         assert spy.planned == 0
         graph = [plan for plan in spy.forwarded if plan.graph is not None]  # not the eager run's
         assert graph == [plans[bs]] * len(e.layers)

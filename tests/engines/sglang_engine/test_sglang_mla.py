@@ -60,12 +60,14 @@ class MLAEngine:
         self.pools.kv_pool = self.pool  # what 0.5.12's ForwardBatch carries
         buf = self.pool.get_key_buffer(0)
         buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(3)))
-        runner = EngineRunner(self.pools, kv_pool=self.pool)
+        # DeepSeek's attention holds both of layer 0's RadixAttentions: attn_mqa (absorbed,
+        # over the latent pool) and attn_mha (expanded prefill, no cache).
+        self.layer = RadixAttention(H, RANK + ROPE, SCALE, 1, layer_id=0, v_head_dim=RANK)
+        runner = EngineRunner(self.pools, kv_pool=self.pool, layers=[self.layer, mha_layer()])
         runner.model_config = MLAConfig()
         self.runner = runner
         self.dropin = create_backend(runner, backend)
         self.table = RequestTable(self.pools)
-        self.layer = RadixAttention(H, RANK + ROPE, SCALE, 1, layer_id=0, v_head_dim=RANK)
         self.gen = torch.Generator().manual_seed(page_size)
         self.tol = tolerance(dtype)
 

@@ -82,3 +82,57 @@ class FlexMLAPrefill(AttnSDKMLAPrefillBackend):  # type: ignore[misc,valid-type]
     """attnsdk's flex backend, which has no ragged attention: vLLM's selection refuses it."""
 
     attnsdk_backend = "flex"
+
+
+REF_FRESH = "vllm_engine.attnsdk_ref.RefFresh"
+
+
+class RefFresh(AttnSDKAttentionBackend):  # type: ignore[misc,valid-type]
+    """The drop-in over a reference backend instance a test sets (``fresh()``), so what the
+    model's start-up prepared (``Backend.prepared``) is that test's alone."""
+
+    attnsdk_backend = None
+
+
+def fresh() -> Any:
+    """A new reference backend behind ``RefFresh``; returns it."""
+    from attnsdk import create_backend
+
+    RefFresh.attnsdk_backend = create_backend("reference")
+    return RefFresh.attnsdk_backend
+
+
+NO_SOFTCAP = "vllm_engine.attnsdk_ref.NoSoftcapRef"
+
+
+class NoSoftcapRef(AttnSDKAttentionBackend):  # type: ignore[misc,valid-type]
+    """The reference backend without ``Feature.SOFTCAP``: vLLM's selection does not ask about
+    soft caps, so a capped model reaches start-up, where the builders refuse it."""
+
+    attnsdk_backend = None
+
+
+def no_softcap() -> Any:
+    """A new reference backend without soft caps behind ``NoSoftcapRef``; returns it."""
+    import dataclasses
+
+    from attnsdk import Feature
+    from attnsdk.backends.reference import ReferenceBackend
+
+    class NoSoftcap(ReferenceBackend):
+        capabilities = dataclasses.replace(
+            ReferenceBackend.capabilities,
+            features=ReferenceBackend.capabilities.features - {Feature.SOFTCAP},
+        )
+
+    NoSoftcapRef.attnsdk_backend = NoSoftcap()
+    return NoSoftcapRef.attnsdk_backend
+
+
+FLEX = "vllm_engine.attnsdk_ref.FlexRef"
+
+
+class FlexRef(AttnSDKAttentionBackend):  # type: ignore[misc,valid-type]
+    """attnsdk's flex backend (no ragged attention) behind vLLM's ``AttentionBackend`` API."""
+
+    attnsdk_backend = "flex"

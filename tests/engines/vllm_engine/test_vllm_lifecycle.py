@@ -24,7 +24,8 @@ metadata class subclassing ours and runs on the logits rows only), also under de
 
 vLLM's encoder-only layers (``EncoderOnlyAttention``, no KV cache) run with metadata built by
 vLLM's own ``EncoderOnlyModelState._build_encoder_attn_metadata`` (dummy block table and slot
-mapping), eager and FULL-graph padded, with a bidirectional window and sinks.
+mapping), eager and FULL-graph padded, with a bidirectional window and sinks: their builder
+plans the step once as ragged attention over its own K/V (``forward_ragged``).
 
 Not covered: vLLM's FLEX_ATTENTION as a second control through these layers (on CPU its
 compiled flex_attention fails to lower here, and it serves neither sinks nor KV sharing).
@@ -181,6 +182,9 @@ def test_encoder_only_layers(mode: CUDAGraphMode) -> None:
     )  # fmt: skip
     state = encoder_state(vllm_config, layers)
     metadata = EncoderOnlyModelState._build_encoder_attn_metadata(state, batch, mode, False)  # type: ignore[arg-type]
+    for n in layers:  # the group's builder planned the step as ragged attention, once
+        assert metadata[n].ragged is metadata[n].plan
+        assert metadata[n].plan.metadata.page_table.shape[1] == 0
     rows = real + pad_tokens
     for n, layer in layers.items():
         q, k, v = (torch.randn(rows, h * D, generator=gen) for h in (H, HKV, HKV))

@@ -165,3 +165,33 @@ def test_mock_attention_layer_matches_the_protocol_and_the_real_layer() -> None:
         real = Attention(4, 64, 0.125, 2, cache_config=vllm_config.cache_config, prefix="l.0")
     for name, hint in mock_types.items():
         assert isinstance(getattr(real, name), hint), name  # type: ignore[arg-type]
+
+
+def test_start_up_mocks_are_vllms_fields() -> None:
+    """What a builder reads at start-up: the group's spec (named as vLLM's, whose class names a
+    builder tells groups by) and the ``VllmConfig``'s model dtype and forward context."""
+    from vllm.config import CompilationConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
+
+    from attnsdk.adapters.vllm import testing
+
+    for mock, real in (
+        (testing.FullAttentionSpec, FullAttentionSpec),
+        (testing.EncoderOnlyAttentionSpec, EncoderOnlyAttentionSpec),
+        (testing.MockVllmConfig, VllmConfig),
+        (testing.MockCompilationConfig, CompilationConfig),
+        (testing.MockModelConfig, ModelConfig),
+    ):
+        if mock.__name__.startswith("Mock"):
+            assert mock.__name__ == f"Mock{real.__name__}"
+        else:
+            assert mock.__name__ == real.__name__
+        real_fields = {f.name for f in dataclasses.fields(real)}
+        assert {f.name for f in dataclasses.fields(mock)} <= real_fields, mock.__name__
+    vllm_config = create_vllm_config()
+    vllm_config.attention_config.backend = AttentionBackendEnum.CUSTOM
+    with set_current_vllm_config(vllm_config):
+        real_layer = Attention(4, 64, 0.125, 2, cache_config=vllm_config.cache_config, prefix="l.1")
+    for f in dataclasses.fields(testing.MockAttention):
+        assert hasattr(real_layer, f.name), f.name
+    assert vllm_config.compilation_config.static_forward_context["l.1"] is real_layer
