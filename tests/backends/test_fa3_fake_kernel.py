@@ -15,6 +15,7 @@ import torch
 from fake_fa3 import CPUFA3, FakeKernel, fake_fa3
 
 import attnsdk as A
+from attnsdk.backends.fa3 import FA3Options
 from attnsdk.backends.fa3 import backend as fa3
 from attnsdk.backends.fa3 import planner as fa3_planner
 from attnsdk.backends.reference import ReferenceBackend
@@ -173,3 +174,32 @@ def test_ragged_pads_v_on_a_build_without_the_192_128_kernels(
         assert_close_to_reference(lse[seen_rows], ref_lse[seen_rows], atol=5e-3, rtol=1e-3)
     assert kernel.v_dims, "the kernel never ran"
     assert set(kernel.v_dims) == {192}, "V reached the kernel unpadded"
+
+
+def test_scheduler_metadata_is_never_asked_for_an_empty_step(
+    kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FA3's ``get_scheduler_metadata`` ends the process on a batch of 0 (an SGLang IDLE step
+    planned on the H100 did): a step with no sequence plans no scheduler metadata, and the
+    other steps still get theirs from the op, once per layer shape."""
+    calls: list[int] = []
+
+    def scheduler_op(num_seqs: int, *args: Any) -> torch.Tensor:
+        if num_seqs == 0:
+            raise AssertionError("scheduler metadata asked for a batch of 0")
+        calls.append(num_seqs)
+        return torch.zeros(num_seqs + 1, dtype=torch.int32)
+
+    monkeypatch.setattr(kernel, "scheduler", scheduler_op, raising=False)
+    layer, layout = layer_and_layout()
+    backend = CPUFA3(FA3Options(precompute_scheduler=True))
+    backend.prepare([layer], layout)
+    empty = make_batch(BatchSpec((), ()), layer, layout, seed=0)
+    out, _ = empty.run(backend)
+    assert out.shape[0] == 0
+    assert calls == []
+    batch = make_batch(BatchSpec.decode(batch_size=3, max_context=40, seed=1), layer, layout)
+    out, _ = batch.run(backend)
+    want, _ = batch.run(reference)
+    assert_close_to_reference(out, want)
+    assert calls == [3]

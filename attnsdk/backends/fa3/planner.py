@@ -195,7 +195,9 @@ def plan_step(
     elif not meta.cross_attention:  # chunked layers are refused in tree and cross steps
         for chunk, page_size in prepared_chunks(states, meta):
             plan.virtual[(chunk, page_size)] = virtual_metadata(meta, chunk, page_size)
-    if scheduler is not None:
+    # A step with no sequence launches nothing (``forward`` returns first), and FA3's scheduler
+    # op fails on a batch of 0 by ending the process: no scheduler metadata for it.
+    if scheduler is not None and meta.num_seqs > 0:
         for (layer, _), st in states.items():
             scheduler.plan_layer(plan, layer, st)
     return plan
@@ -223,7 +225,7 @@ def step_scheduler(
     key = (part, *st.key)
     if plan.graph is None:
         return plan.scheduler.get(key)
-    if not _capturing(meta.device):
+    if not _capturing(meta.device) or meta.num_seqs == 0:
         return None
     found = plan.scheduler.get(key)
     if found is None:
